@@ -1,0 +1,31 @@
+"""vllm-minicpm-hotfix: make MiniCPM-V 4.6 load bit-exact on the vLLM you already have.
+
+Public API:
+
+* :func:`install` -- register the post-import hook on ``vllm.model_executor.models.minicpmv4_6`` (idempotent).
+* :func:`status` -- what the hotfix did in this process, as a JSON-serialisable dict.
+
+Importing this package is cheap: it imports neither wrapt, torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["install", "status", "__version__"]
+
+
+def install() -> bool:
+    """Register the post-import hook (see :func:`vllm_minicpm_hotfix.hook.install`)."""
+    from .hook import install as _install
+
+    return _install()
+
+
+def status() -> dict[str, Any]:
+    """This process's record: ``pid``, ``mode``, ``hook_installed``, ``module_imported``, ``vllm_version`` and per
+    fix (``qkv_loader``) its ``verdict``, ``reason``, ``applied``, ``why`` and ``error``."""
+    from .status import current
+
+    return current().as_dict()

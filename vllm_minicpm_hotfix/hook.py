@@ -1,0 +1,64 @@
+"""The activation core: a ``wrapt`` post-import hook on ``vllm.model_executor.models.minicpmv4_6``.
+
+:func:`install` registers :func:`on_import` with ``wrapt.register_post_import_hook`` (wrapt's ``importer.py``): it
+runs when vLLM imports the model module, or at once if it is already imported. Every activation path -- the
+``vllm.general_plugins`` entry point, the ``.pth`` bootstrap, ``sitecustomize.py`` and an explicit
+``vllm_minicpm_hotfix.install()`` -- ends here, and installing twice registers once.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from types import ModuleType
+
+from . import patching
+from .status import FixStatus, current, installed_vllm_version, logger
+
+TARGET_MODULE = "vllm.model_executor.models.minicpmv4_6"
+
+_LOCK = threading.Lock()
+_installed = False
+
+
+def on_import(module: ModuleType) -> None:
+    """Apply the hotfix to the freshly imported model module. Never raises: a failure is logged, recorded in the
+    status, and the module is left exactly as vLLM defined it (:func:`patching.apply_qkv_fix` is transactional)."""
+    status = current()
+    try:
+        status.module_imported = True
+        status.vllm_version = installed_vllm_version()
+        patching.apply_qkv_fix(module)
+    except BaseException as exc:  # noqa: BLE001 - nothing may escape into vLLM's import
+        if not isinstance(exc, Exception):
+            raise
+        status.fixes[patching.QKV_FIX] = FixStatus(
+            patching.QKV_FIX, "error", "", False, "hook failed; vLLM left as it was", f"{type(exc).__name__}: {exc}"
+        )
+        try:
+            logger.warning(
+                "vllm-minicpm-hotfix: the post-import hook failed, vLLM left unpatched: %s\n%s",
+                exc, traceback.format_exc(),
+            )
+        except Exception:  # pragma: no cover - logging itself broken
+            pass
+
+
+def install() -> bool:
+    """Register the post-import hook in this process (idempotent). Returns False if it was already registered.
+
+    Honours ``VLLM_MINICPM_HOTFIX=off`` only at decision time, so ``status()`` still shows the hook saw the module.
+
+    Raises:
+        ImportError: ``wrapt`` is not importable.
+    """
+    global _installed
+    with _LOCK:
+        if _installed:
+            return False
+        import wrapt
+
+        _installed = True
+        current().hook_installed = True
+        wrapt.register_post_import_hook(on_import, TARGET_MODULE)
+        return True

@@ -1,0 +1,311 @@
+"""The fix: a correct q/k/v-packing ``load_weights`` for vLLM's MiniCPM-V 4.6 window-merger self-attention.
+
+MiniCPM-V 4.6 checkpoints store the ViT window-merger attention split::
+
+    model.vision_tower.vit_merger.self_attn.{q,k,v,out}_proj.{weight,bias}
+
+while vLLM's ``MiniCPMV4_6ViTWindowAttentionSelfAttn`` holds one fused ``qkv_proj`` (a ``QKVParallelLinear``) and
+``out_proj`` (a ``RowParallelLinear``). :func:`load_weights` is attached to that class at run time; vLLM's
+``AutoWeightsLoader`` then hands it the self-attention's weights with the module prefix stripped
+(``q_proj.weight``, ...), exactly as it hands them to any child module's ``load_weights``.
+
+It mirrors the stacked-parameter loop of vLLM's own model loaders (e.g. ``Qwen2Model.load_weights`` in
+``vllm/model_executor/models/qwen2.py`` and the hand-written ``MiniCPMV4_6ViTWindowAttentionSelfAttn.load_weights`` of
+vLLM 0.22-0.24), with two additions vLLM lacks: every q/k/v shard must arrive exactly once (vLLM exempts linear layers
+from its "weights not initialized" check, so a missing shard would otherwise stay silently random), and every name must
+match a parameter.
+
+Nothing here imports vLLM or torch at import time; they are imported on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+#: Checkpoint module name -> ``QKVParallelLinear`` shard id.
+SHARD_IDS: dict[str, str] = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+#: The fused module vLLM holds.
+FUSED = "qkv_proj"
+_ALL_SHARDS = frozenset(SHARD_IDS.values())
+
+# Attribute names this module keeps on patched objects.
+_EVER_LOADED_ATTR = "_vllm_minicpm_hotfix_qkv_complete"
+MARKER_ATTR = "__vllm_minicpm_hotfix__"
+
+
+class QKVLoadError(ValueError):
+    """A MiniCPM-V 4.6 vit_merger weight could not be loaded correctly.
+
+    A ``ValueError`` like the errors vLLM's own loaders raise, so callers that handle those handle this too.
+    """
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Load sessions: which shards each qkv_proj parameter received.
+#
+# vLLM's AutoWeightsLoader groups names by their first component with itertools.groupby, so a checkpoint sharded over
+# several files can hand one self-attention module its q/k/v in more than one call. Completeness is therefore judged
+# at the end of the enclosing *model* load when there is one (the top-level ``load_weights`` wrapper opens a session),
+# and at the end of this module's own call otherwise.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _Session:
+    """Per load: for each (module, parameter name), the shard ids received and the tensor names that brought them."""
+
+    def __init__(self) -> None:
+        self.shards: dict[tuple[int, str], dict[str, str]] = {}
+        self.modules: dict[int, Any] = {}
+
+    def record(self, module: Any, param_name: str, shard_id: str, tensor_name: str, prefix: str) -> None:
+        got = self.shards.setdefault((id(module), param_name), {})
+        self.modules[id(module)] = module
+        if shard_id in got:
+            raise QKVLoadError(
+                f"vit_merger q/k/v: shard {shard_id!r} of {prefix}{param_name} arrived twice in one load "
+                f"(from checkpoint tensors {got[shard_id]!r} and {tensor_name!r}); a checkpoint must hold each of "
+                f"q_proj, k_proj, v_proj once"
+            )
+        got[shard_id] = tensor_name
+
+    def finish(self) -> None:
+        """Raise :class:`QKVLoadError` if a ``qkv_proj`` parameter got some shards but not all three."""
+        problems = []
+        for (module_id, param_name), got in sorted(self.shards.items(), key=lambda kv: kv[0][1]):
+            module = self.modules[module_id]
+            missing = sorted(_ALL_SHARDS - got.keys())
+            if missing:
+                problems.append(
+                    f"{_prefix(module)}{param_name}: shard(s) {', '.join(map(repr, missing))} missing "
+                    f"(received {', '.join(f'{s!r} from {n!r}' for s, n in sorted(got.items()))})"
+                )
+            else:
+                complete = getattr(module, _EVER_LOADED_ATTR, None)
+                if complete is None:
+                    complete = set()
+                    object.__setattr__(module, _EVER_LOADED_ATTR, complete)
+                complete.add(param_name)
+        if problems:
+            raise QKVLoadError(
+                "vit_merger q/k/v incomplete, the fused qkv_proj would be left partly uninitialised: "
+                + "; ".join(problems)
+            )
+
+
+_SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("vllm_minicpm_hotfix_session", default=None)
+
+
+@contextlib.contextmanager
+def load_session() -> Iterator[_Session]:
+    """Open a load session (or join the one already open) and check q/k/v completeness when the outermost one ends.
+
+    Raises:
+        QKVLoadError: when the outermost session ends and a ``qkv_proj`` parameter received some but not all of
+            the shards ``"q"``, ``"k"``, ``"v"``.
+    """
+    current = _SESSION.get()
+    if current is not None:
+        yield current
+        return
+    session = _Session()
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
+    session.finish()
+
+
+def qkv_params_never_loaded(model: Any, attn_cls: type) -> list[str]:
+    """Names of ``qkv_proj`` parameters of ``attn_cls`` modules in ``model`` that no load ever filled completely.
+
+    Used after a whole-model load: vLLM would otherwise serve such a parameter with its uninitialised values.
+    """
+    missing = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, attn_cls):
+            continue
+        complete = getattr(module, _EVER_LOADED_ATTR, set())
+        for param_name, _ in module.named_parameters():
+            if param_name.startswith(FUSED + ".") and param_name not in complete:
+                missing.append(f"{module_name}.{param_name}" if module_name else param_name)
+    return missing
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The loader
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _prefix(module: Any) -> str:
+    """``vit_merger.self_attn.`` for vLLM's module, read from the prefix vLLM gave its ``qkv_proj``."""
+    qkv = getattr(module, FUSED, None)
+    prefix = getattr(qkv, "prefix", "") or ""
+    if prefix.endswith("." + FUSED):
+        return prefix[: -len(FUSED)]
+    return ""
+
+
+def _shape(t: Any) -> list[int]:
+    return list(getattr(t, "shape", ()))
+
+
+def _expected_qkv_shape(layer: Any, param: Any, shard_id: str | None) -> list[int] | None:
+    """The checkpoint shape (unsharded, as on disk) a q/k/v shard or the fused tensor must have, or None if unknown.
+
+    Known for vLLM's unquantized ``QKVParallelLinear`` ``weight`` (``[out, in]``) and ``bias`` (``[out]``): q is
+    ``total_num_heads * head_size`` rows, k ``total_num_kv_heads * head_size``, v ``total_num_kv_heads * v_head_size``,
+    the fused tensor their sum. Packed or quantized parameters return None and are left to vLLM's weight loader.
+    """
+    output_dim = getattr(param, "output_dim", None)
+    if output_dim is None or getattr(param, "packed_dim", None) is not None:
+        return None
+    try:
+        heads, kv_heads, head = int(layer.total_num_heads), int(layer.total_num_kv_heads), int(layer.head_size)
+        v_head = int(getattr(layer, "v_head_size", head) or head)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    rows = {"q": heads * head, "k": kv_heads * head, "v": kv_heads * v_head}
+    expected = _shape(param)
+    if len(expected) <= output_dim:
+        return None
+    expected[output_dim] = rows[shard_id] if shard_id is not None else sum(rows.values())
+    return expected
+
+
+def _load_one(param: Any, tensor: Any, *, loader_args: tuple, what: str) -> None:
+    """Call the parameter's weight loader; turn its bare assertion/shape errors into one clear QKVLoadError."""
+    weight_loader = getattr(param, "weight_loader", None)
+    if weight_loader is None:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        weight_loader = default_weight_loader
+    try:
+        weight_loader(param, tensor, *loader_args)
+    except QKVLoadError:
+        raise
+    except Exception as exc:  # vLLM's loaders raise AssertionError / RuntimeError with bare shapes
+        raise QKVLoadError(
+            f"{what}: vLLM's weight loader rejected checkpoint shape {_shape(tensor)} ({getattr(tensor, 'dtype', '?')}) "
+            f"for parameter shape {_shape(param)} ({getattr(param, 'dtype', '?')}): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _route(name: str, tensor: Any) -> tuple[str, str | None, bool]:
+    """Map a prefix-stripped checkpoint name to ``(parameter name, shard id, is_qkv)``.
+
+    * ``q_proj.S`` / ``k_proj.S`` / ``v_proj.S`` -> ``qkv_proj.S`` with shard id ``q`` / ``k`` / ``v``;
+    * ``qkv_proj.S`` -> ``qkv_proj.S`` with the tensor's ``shard_id`` attribute (set by vLLM >= 0.30's
+      ``WeightsMapper.apply`` / 0.32's ``_stack_vit_merger_qkv``), or None for an already-fused tensor;
+    * anything else -> itself, no shard id.
+    """
+    head, dot, suffix = name.partition(".")
+    if dot and head in SHARD_IDS:
+        return f"{FUSED}.{suffix}", SHARD_IDS[head], True
+    if dot and head == FUSED:
+        shard_id = getattr(tensor, "shard_id", None)
+        if shard_id is not None and shard_id not in _ALL_SHARDS:
+            raise QKVLoadError(
+                f"vit_merger q/k/v: checkpoint tensor {name!r} carries shard_id {shard_id!r}; "
+                f"QKVParallelLinear takes 'q', 'k', 'v' or none (already fused)"
+            )
+        return name, shard_id, True
+    return name, None, False
+
+
+def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
+    """Load MiniCPM-V 4.6 window-merger self-attention weights into vLLM's fused ``qkv_proj`` and ``out_proj``.
+
+    Attached as ``MiniCPMV4_6ViTWindowAttentionSelfAttn.load_weights`` (``vllm/model_executor/models/minicpmv4_6.py``,
+    vLLM 0.22-0.33); it has the signature vLLM's ``AutoWeightsLoader._load_module`` calls child modules with.
+
+    Args:
+        self: the vLLM ``MiniCPMV4_6ViTWindowAttentionSelfAttn`` module.
+        weights: ``(name, tensor)`` pairs with names relative to this module, as vLLM passes them to a child module:
+            ``q_proj.weight`` ``[H, D]``, ``q_proj.bias`` ``[H]`` (likewise ``k_proj``, ``v_proj``; ``H`` = heads x
+            head size, ``D`` = vision hidden size, any dtype: vLLM's loaders cast on copy), ``out_proj.weight``
+            ``[D, H]``, ``out_proj.bias`` ``[D]``; or ``qkv_proj.{weight,bias}`` ``[3H, D]`` / ``[3H]`` already fused,
+            or one shard of it with ``tensor.shard_id`` in ``{"q", "k", "v"}`` (how vLLM >= 0.30 pre-stacks). Any
+            suffix (``qweight``, ``scales``, ...) is passed through to the parameter of that name. The iterable is
+            consumed once, lazily; no tensor is kept after its copy into the parameter.
+
+    Each q/k/v shard goes through the parameter's own ``weight_loader(param, tensor, shard_id)`` so that tensor
+    parallel slicing (vLLM's head-sharded layout) and quantized parameter classes behave as in vLLM; every other
+    parameter through its ``weight_loader`` or vLLM's ``default_weight_loader``.
+
+    Returns:
+        The set of *parameter* names loaded (``qkv_proj.weight``, ``qkv_proj.bias``, ``out_proj.weight``, ...),
+        which ``AutoWeightsLoader`` re-qualifies with the module prefix.
+
+    Raises:
+        QKVLoadError (a ``ValueError``): a name matching no parameter (lists the module's parameters); a q/k/v
+            tensor of the wrong shape (names the tensor, the shard and both shapes); a shard that arrives twice;
+            a ``qkv_proj`` parameter that got some shards but not all three when the load ends; any error of
+            vLLM's weight loader, re-raised naming the tensor and both shapes.
+    """
+    params = dict(self.named_parameters())
+    prefix = _prefix(self)
+    qkv_layer = getattr(self, FUSED, None)
+    loaded: set[str] = set()
+
+    with load_session() as session:
+        for name, tensor in weights:
+            param_name, shard_id, is_qkv = _route(name, tensor)
+            param = params.get(param_name)
+            if param is None:
+                raise QKVLoadError(
+                    f"vit_merger: checkpoint tensor {prefix}{name!r} (shape {_shape(tensor)}) matches no parameter of "
+                    f"{type(self).__name__}; its parameters are {sorted(params)}"
+                )
+            what = f"checkpoint tensor {prefix}{name} -> {prefix}{param_name}"
+            if is_qkv:
+                what += f" (shard {shard_id!r})" if shard_id is not None else " (already fused)"
+                expected = _expected_qkv_shape(qkv_layer, param, shard_id)
+                if expected is not None and _shape(tensor) != expected:
+                    raise QKVLoadError(
+                        f"{what}: checkpoint shape {_shape(tensor)} but {prefix}{param_name} needs "
+                        f"{expected} for this shard (parameter shape on this rank {_shape(param)})"
+                    )
+                for s in [shard_id] if shard_id is not None else sorted(_ALL_SHARDS):
+                    session.record(self, param_name, s, name, prefix)
+                _load_one(param, tensor, loader_args=(shard_id,), what=what)
+            else:
+                _load_one(param, tensor, loader_args=(), what=what)
+            loaded.add(param_name)
+    return loaded
+
+
+setattr(load_weights, MARKER_ATTR, "qkv_loader")
+
+
+def wrap_model_load_weights(original: Any, attn_cls: type) -> Any:
+    """Wrap ``MiniCPMV4_6ForConditionalGeneration.load_weights`` so q/k/v completeness is judged per model load.
+
+    The wrapper opens one load session around vLLM's own top-level ``load_weights`` (so shards that reach the
+    self-attention in several calls, e.g. from a sharded checkpoint, are counted together) and afterwards checks that
+    every ``qkv_proj`` parameter of every ``attn_cls`` module has been filled completely by this or an earlier load.
+
+    Raises:
+        QKVLoadError: see :func:`load_session`; or a ``qkv_proj`` parameter that no load has filled (the checkpoint
+            has no ``vit_merger.self_attn.{q,k,v}_proj`` at all).
+    """
+    import functools
+
+    @functools.wraps(original)
+    def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        with load_session():
+            loaded = original(self, weights)
+        never = qkv_params_never_loaded(self, attn_cls)
+        if never:
+            raise QKVLoadError(
+                f"vit_merger q/k/v never loaded: {never} received no q_proj/k_proj/v_proj (or qkv_proj) tensor from "
+                f"the checkpoint and would keep uninitialised values"
+            )
+        return loaded
+
+    setattr(load_weights, MARKER_ATTR, "model_load_weights")
+    load_weights.__wrapped__ = original
+    return load_weights
