@@ -26,6 +26,6 @@ def install() -> bool:
 def status() -> dict[str, Any]:
     """This process's record: ``pid``, ``mode``, ``hook_installed``, ``module_imported``, ``vllm_version`` and per
     fix (``qkv_loader``) its ``verdict``, ``reason``, ``applied``, ``why`` and ``error``."""
-    from .status import current
+    from .record import current
 
     return current().as_dict()

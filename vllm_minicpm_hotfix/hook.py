@@ -13,7 +13,7 @@ import traceback
 from types import ModuleType
 
 from . import patching
-from .status import FixStatus, current, installed_vllm_version, logger
+from .record import FixStatus, current, installed_vllm_version, logger
 
 TARGET_MODULE = "vllm.model_executor.models.minicpmv4_6"
 

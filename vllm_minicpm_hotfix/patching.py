@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from . import decision, qkv_loader
-from .status import FixStatus, current, installed_vllm_version, logger
+from .record import FixStatus, current, installed_vllm_version, logger
 
 _MISSING = object()
 #: (class, attribute) -> value before we set it (``_MISSING`` if the class itself did not define it).

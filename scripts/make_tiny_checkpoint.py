@@ -1,0 +1,448 @@
+#!/usr/bin/env python
+"""Write a tiny, reproducible MiniCPM-V 4.6 checkpoint in Hugging Face format.
+
+    python scripts/make_tiny_checkpoint.py OUT_DIR [--untied] [--seed N]
+
+The model is built with transformers' own classes (transformers >= 5.7: ``MiniCPMV4_6Config``,
+``MiniCPMV4_6ForConditionalGeneration``, ``MiniCPMV4_6Processor``), so its weight names are exactly the real
+checkpoint's (``model.vision_tower.vit_merger.self_attn.{q,k,v,out}_proj.*``, ``model.vision_tower.encoder.layers.N.*``,
+``model.language_model.*``, ``model.merger.*``).  Every tensor -- biases and norm weights included -- is filled with
+seeded random values (HF's default init leaves biases at 0 and norms at 1, which would hide a swapped bias).  Each
+tensor gets its own generator seeded from ``(seed, tensor name)``, so the output does not depend on parameter order
+and ``model.safetensors`` is byte-identical from run to run.
+
+Besides config + weights the folder holds what vLLM needs to run the vision path end to end: a tiny byte-level BPE
+``tokenizer.json`` (256 ids, the special tokens at the config's ids), ``tokenizer_config.json`` naming the MiniCPM-V
+special tokens, the processor's config (as written by ``MiniCPMV4_6Processor.save_pretrained``) and a ChatML
+``chat_template.jinja`` that emits one ``<|image_pad|>`` per image part (the processor expands it).
+
+Default: tied word embeddings (no ``lm_head.weight``), like the real checkpoint.  ``--untied`` writes
+``tie_word_embeddings=False`` and an ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sizes.  Kept in one place so tests can read them from config.json instead of hard-coding.
+# --------------------------------------------------------------------------------------------------------------------
+PATCH_SIZE = 14  # same as the real checkpoint
+VISION = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_channels=3,
+    image_size=112,  # 8 x 8 position embeddings
+    patch_size=PATCH_SIZE,
+    hidden_act="gelu_pytorch_tanh",
+    layer_norm_eps=1e-6,
+    window_kernel_size=[2, 2],
+)
+INSERT_LAYER_ID = 1  # vit_merger runs after vision layer 1 (of 0..1)
+VOCAB_SIZE = 256
+TEXT = dict(
+    model_type="qwen3_5_text",
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    hidden_act="silu",
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    attention_bias=False,
+    # partial_rotary_factor 0.25 of head_dim 64 -> rotary dim 16 -> mrope sections sum to 8.
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [3, 3, 2],
+        "mrope_interleaved": True,
+    },
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=64,  # CPU GDN kernels need 64 or 128
+    linear_value_head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+)
+SCALE_RESOLUTION = 112  # processor slice resolution (a multiple of 4 * PATCH_SIZE)
+MAX_SLICE_NUMS = 9
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tokenizer: printable ASCII + \t \n as byte-level base tokens, BPE merges learned (deterministically) from a fixed
+# corpus, and the special tokens in the last 16 ids.
+# --------------------------------------------------------------------------------------------------------------------
+SPECIAL_TOKENS = [  # id = SPECIAL_BASE + index
+    "<|endoftext|>",  # pad
+    "<|im_start|>",
+    "<|im_end|>",  # eos
+    "<|image_pad|>",  # image_token_id
+    "<|video_pad|>",  # video_token_id
+    "<image>",
+    "</image>",
+    "<slice>",
+    "</slice>",
+    "<image_id>",
+    "</image_id>",
+    "<unk>",
+    "<think>",
+    "</think>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+]
+SPECIAL_BASE = VOCAB_SIZE - len(SPECIAL_TOKENS)  # 240
+SPECIAL_ID = {tok: SPECIAL_BASE + i for i, tok in enumerate(SPECIAL_TOKENS)}
+PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+EXTRA_SPECIAL_TOKENS = {  # what MiniCPMV4_6Processor reads off the tokenizer
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "image_start_token": "<image>",
+    "image_end_token": "</image>",
+    "slice_start_token": "<slice>",
+    "slice_end_token": "</slice>",
+    "image_id_start_token": "<image_id>",
+    "image_id_end_token": "</image_id>",
+}
+
+CORPUS = """\
+You are a helpful assistant. Describe this image in one sentence. What is shown in the picture?
+The image shows a small red square on a white background, next to a blue circle and a green line.
+There is a cat sitting on the table and a dog standing in the garden under the tree.
+Please answer the question about the image and the text. What color is the object on the left?
+This is a test of the tiny model. It reads images, slices and video frames, and writes short text.
+The quick brown fox jumps over the lazy dog. Hello world! How are you today? I am fine, thank you.
+def main(): return 0 # numbers 0 1 2 3 4 5 6 7 8 9 10 100 2024 and symbols ( ) [ ] { } < > = + - * / : ;
+"""
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}\n"
+    "{%- if message['content'] is string -%}\n"
+    "{{- message['content'] -}}\n"
+    "{%- elif message['content'] is not none -%}\n"
+    "{%- for part in message['content'] -%}\n"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' or 'image' in part -%}\n"
+    "{{- '<|image_pad|>' -}}\n"
+    "{%- elif part['type'] == 'video' or part['type'] == 'video_url' or 'video' in part -%}\n"
+    "{{- '<|video_pad|>' -}}\n"
+    "{%- elif part['type'] == 'text' -%}\n"
+    "{{- part['text'] -}}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- endif -%}\n"
+    "{%- if not (loop.last and continue_final_message is defined and continue_final_message) -%}\n"
+    "{{- '<|im_end|>\\n' -}}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "{{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- endif -%}\n"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable unicode character table (what the ByteLevel pre-tokenizer emits)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _train_bpe(words: list[str], base: list[str], n_merges: int) -> list[tuple[str, str]]:
+    """Plain, deterministic BPE training (ties broken by the pair's text)."""
+    counts: dict[tuple[str, ...], int] = {}
+    for w in words:
+        key = tuple(w)
+        counts[key] = counts.get(key, 0) + 1
+    known = set(base)
+    merges: list[tuple[str, str]] = []
+    while len(merges) < n_merges:
+        pairs: dict[tuple[str, str], int] = {}
+        for word, c in counts.items():
+            for a, b in zip(word, word[1:]):
+                pairs[(a, b)] = pairs.get((a, b), 0) + c
+        pairs = {p: c for p, c in pairs.items() if p[0] + p[1] not in known}
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        known.add(best[0] + best[1])
+        new_counts: dict[tuple[str, ...], int] = {}
+        for word, c in counts.items():
+            out: list[str] = []
+            i = 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == best:
+                    out.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            new_counts[tuple(out)] = new_counts.get(tuple(out), 0) + c
+        counts = new_counts
+    return merges
+
+
+def build_tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    b2u = _bytes_to_unicode()
+    base_bytes = [0x09, 0x0A] + list(range(0x20, 0x7F))
+    base = [b2u[b] for b in base_bytes]  # 97 tokens
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    words = [w for w, _ in pre.pre_tokenize_str(CORPUS)]
+    merges = _train_bpe(words, base, SPECIAL_BASE - len(base))
+    vocab = {tok: i for i, tok in enumerate(base)}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    if len(vocab) > SPECIAL_BASE:
+        raise AssertionError("BPE vocabulary overflows into the special-token ids")
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    # Fill any ids left between the merges and the specials so the specials land exactly at SPECIAL_BASE.
+    filler = [f"<|reserved_{i}|>" for i in range(len(vocab), SPECIAL_BASE)]
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in filler]
+        + [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    for t, i in SPECIAL_ID.items():
+        if tok.token_to_id(t) != i:
+            raise AssertionError(f"special token {t} got id {tok.token_to_id(t)}, expected {i}")
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        bos_token=None,
+        extra_special_tokens=dict(EXTRA_SPECIAL_TOKENS),
+        model_max_length=4096,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return hf_tok
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------------------------
+def build_config(tied: bool):
+    from transformers import MiniCPMV4_6Config
+
+    text = dict(TEXT)
+    text.update(
+        tie_word_embeddings=tied,
+        pad_token_id=SPECIAL_ID[PAD_TOKEN],
+        eos_token_id=SPECIAL_ID[EOS_TOKEN],
+        bos_token_id=None,
+    )
+    cfg = MiniCPMV4_6Config(
+        text_config=text,
+        vision_config=dict(VISION, insert_layer_id=INSERT_LAYER_ID),
+        insert_layer_id=INSERT_LAYER_ID,
+        image_size=SCALE_RESOLUTION,
+        drop_vision_last_layer=False,
+        image_token_id=SPECIAL_ID["<|image_pad|>"],
+        video_token_id=SPECIAL_ID["<|video_pad|>"],
+        tie_word_embeddings=tied,
+        downsample_mode="16x",
+        merge_kernel_size=[2, 2],
+        merger_times=1,
+        pad_token_id=SPECIAL_ID[PAD_TOKEN],
+        eos_token_id=SPECIAL_ID[EOS_TOKEN],
+    )
+    cfg.architectures = ["MiniCPMV4_6ForConditionalGeneration"]
+    return cfg
+
+
+def _generator(seed: int, name: str):
+    import torch
+
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return g
+
+
+def randomize_(model, seed: int) -> None:
+    """Fill every parameter with seeded random values, scaled so forward passes stay sane.
+
+    * weight matrices / convolutions: N(0, 1/fan_in) (unit gain, so the image actually moves the logits: with
+      N(0, 0.02) everywhere, swapping the vit_merger q/k weights changed the last logits by ~2e-4 of their spread --
+      below bf16 noise -- and greedy output ignored the image);
+    * token embeddings and lm_head: N(0, 0.1^2); biases: N(0, 0.1^2) (a swapped q/k bias moves the logits ~7%);
+    * norm weights: 1 + N(0, 0.1^2), or N(0, 0.1^2) for zero-centred norms (Qwen3.5 RMSNorm computes x * (1 + w));
+    * GatedDeltaNet: dt_bias 1 + N(0, 0.1^2), A_log = log(U(1, 16)).
+    Each tensor has its own generator seeded from (seed, name); tied tensors are filled once.
+    """
+    import torch
+
+    seen: set[int] = set()
+    with torch.no_grad():
+        for mod_name, module in model.named_modules():
+            cls = type(module).__name__
+            is_norm = isinstance(module, torch.nn.LayerNorm) or "Norm" in cls
+            for p_name, p in module.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                name = f"{mod_name}.{p_name}" if mod_name else p_name
+                g = _generator(seed, name)
+                noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+                if p_name == "A_log":
+                    u = torch.rand(p.shape, generator=g, dtype=torch.float32)
+                    val = torch.log(1.0 + 15.0 * u)
+                elif p_name == "dt_bias":
+                    val = 1.0 + 0.1 * noise
+                elif is_norm and p_name == "weight":
+                    centre = 0.0 if bool(torch.all(p == 0)) else 1.0
+                    val = centre + 0.1 * noise
+                elif p.dim() == 1:  # biases
+                    val = 0.1 * noise
+                elif isinstance(module, torch.nn.Embedding) or name == "lm_head.weight":
+                    val = 0.1 * noise
+                else:
+                    fan_in = p[0].numel()
+                    val = noise / math.sqrt(fan_in)
+                p.copy_(val.to(p.dtype))
+
+
+def build_model(seed: int, tied: bool):
+    import torch
+    from transformers import MiniCPMV4_6ForConditionalGeneration
+
+    torch.manual_seed(seed)  # only affects HF's own init, which randomize_ overwrites entirely
+    cfg = build_config(tied)
+    model = MiniCPMV4_6ForConditionalGeneration(cfg).to(torch.float32).eval()
+    randomize_(model, seed)
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def build_processor(tokenizer):
+    from transformers import MiniCPMV4_6Processor
+    from transformers.models.minicpmv4_6 import image_processing_minicpmv4_6 as ipm
+
+    try:
+        from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
+    except ImportError:  # pragma: no cover - torchvision missing
+        MiniCPMV4_6VideoProcessor = None
+
+    common = dict(
+        patch_size=PATCH_SIZE,
+        scale_resolution=SCALE_RESOLUTION,
+        max_slice_nums=MAX_SLICE_NUMS,
+        slice_mode=True,
+        downsample_mode="16x",
+        use_image_id=True,
+    )
+    image_processor = ipm.MiniCPMV4_6ImageProcessor(**common)
+    video_processor = MiniCPMV4_6VideoProcessor(**common) if MiniCPMV4_6VideoProcessor else None
+    return MiniCPMV4_6Processor(
+        image_processor=image_processor,
+        video_processor=video_processor,
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _normalize_tokenizer_config(path: Path) -> None:
+    """Name the MiniCPM-V tokens under ``extra_special_tokens`` (a dict).
+
+    transformers 5.x flattens them to top-level keys on save (and writes ``extra_special_tokens: []``); both 5.19 and
+    5.24 read the dict form back as tokenizer attributes (``tokenizer.image_token`` / ``image_token_id``).
+    """
+    cfg = json.loads(path.read_text())
+    extra = {k: cfg.pop(k, v) for k, v in EXTRA_SPECIAL_TOKENS.items()}
+    cfg["extra_special_tokens"] = extra
+    path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2, ensure_ascii=False) + "\n")
+
+
+def _check_keys(out_dir: Path, tied: bool) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    needed = [
+        f"model.vision_tower.vit_merger.self_attn.{p}_proj.{w}" for p in ("q", "k", "v", "out") for w in ("weight", "bias")
+    ] + ["model.vision_tower.encoder.layers.0.self_attn.q_proj.weight", "model.language_model.embed_tokens.weight"]
+    missing = [k for k in needed if k not in keys]
+    if missing:
+        raise AssertionError(f"checkpoint lacks expected keys: {missing}")
+    if ("lm_head.weight" in keys) == tied:
+        raise AssertionError(f"lm_head.weight present={'lm_head.weight' in keys} but tied={tied}")
+    if not any(k.startswith("model.merger.") for k in keys):
+        raise AssertionError("checkpoint lacks model.merger.*")
+    return len(keys)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--untied", action="store_true", help="tie_word_embeddings=False, write lm_head.weight")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    out: Path = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    tied = not args.untied
+    for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # a previous run's weights (e.g. untied) must not linger
+
+    tokenizer = build_tokenizer()  # the processor reads the tokenizer's attributes, so build it first
+    model = build_model(args.seed, tied)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    processor = build_processor(tokenizer)
+    processor.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # same text the processor wrote; make it explicit
+    _normalize_tokenizer_config(out / "tokenizer_config.json")
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)  # save_pretrained writes the weights 0600
+
+    n_keys = _check_keys(out, tied)
+    digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(
+        json.dumps(
+            {
+                "out_dir": str(out),
+                "tied": tied,
+                "seed": args.seed,
+                "keys": n_keys,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "folder_bytes": size,
+                "model.safetensors sha256": digest,
+            },
+            indent=1,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

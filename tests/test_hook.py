@@ -1,0 +1,174 @@
+"""The post-import hook and the status API, in this process and in fresh interpreters (real start-up, real import of
+vLLM's model module)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+from conftest import REPO, hotfix
+
+from vllm_minicpm_hotfix import decision, hook, patching, qkv_loader, record
+
+ATTN = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
+MODEL = "MiniCPMV4_6ForConditionalGeneration"
+
+
+def fresh_python(code: str, **env: str) -> dict:
+    """Run ``code`` in a new interpreter of this environment (our package importable, nothing activated) and return
+    the JSON object it prints last, with everything it logged (vLLM logs to stdout, Python's last resort to stderr)."""
+    full_env = {**os.environ, "PYTHONPATH": "", "VLLM_TARGET_DEVICE": "cpu", **env}
+    if "VLLM_MINICPM_HOTFIX" not in env:
+        full_env.pop("VLLM_MINICPM_HOTFIX", None)
+    prog = f"import sys, json; sys.path.insert(0, {str(REPO)!r})\n{code}"
+    proc = subprocess.run([sys.executable, "-c", prog], env=full_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout + proc.stderr
+
+
+INSTALL_THEN_IMPORT = """
+import vllm_minicpm_hotfix as h
+first = h.install(); second = h.install()
+import vllm.model_executor.models.minicpmv4_6 as m
+from vllm_minicpm_hotfix import patching
+h.install()
+print(json.dumps({"status": h.status(), "first": first, "second": second,
+                  "patched": patching.is_patched(m.MiniCPMV4_6ViTWindowAttentionSelfAttn)}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "force", "off"])
+def test_hook_applies_decision_when_vllm_imports_the_module(expected, release, mode):
+    out, log = fresh_python(INSTALL_THEN_IMPORT, VLLM_MINICPM_HOTFIX=mode)
+    st = out["status"]
+    want_applied = mode == "force" or (mode == "auto" and expected[0] == "broken")
+    assert (out["first"], out["second"]) == (True, False)
+    assert st["hook_installed"] and st["module_imported"] and st["mode"] == mode
+    assert st["vllm_version"].split("+")[0] == release
+    assert st["pid"] > 0
+    fix = st["fixes"]["qkv_loader"]
+    assert fix["applied"] is want_applied and out["patched"] is want_applied
+    if mode != "off":
+        assert fix["verdict"] == expected[0]
+    if want_applied:
+        assert f"PATCHED in pid {st['pid']}" in log
+
+
+def test_install_after_module_import_patches_at_once(m46, expected):
+    """wrapt calls the hook immediately when the module is already imported (it is, in this process)."""
+    try:
+        os.environ["VLLM_MINICPM_HOTFIX"] = "force"
+        record._STATUS = None
+        hook._installed = False
+        assert hook.install() is True
+        assert patching.is_patched(getattr(m46, ATTN))
+        assert record.current().fixes["qkv_loader"].applied
+        assert hook.install() is False
+    finally:
+        patching.revert(m46)
+        os.environ.pop("VLLM_MINICPM_HOTFIX")
+        record._STATUS = None
+
+
+def test_applying_twice_patches_once(m46):
+    with hotfix(m46, "force") as fix:
+        patched_fn = getattr(m46, ATTN).__dict__["load_weights"]
+        patched_model_fn = getattr(m46, MODEL).__dict__["load_weights"]
+        again = patching.apply_qkv_fix(m46)
+        assert fix.applied and again.applied and "already patched" in again.why
+        assert getattr(m46, ATTN).__dict__["load_weights"] is patched_fn
+        assert getattr(m46, MODEL).__dict__["load_weights"] is patched_model_fn
+        assert patched_model_fn.__wrapped__.__name__ == "load_weights"
+        assert not getattr(patched_model_fn.__wrapped__, qkv_loader.MARKER_ATTR, None)
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def captured():
+    handler = _Capture()
+    record.logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        record.logger.removeHandler(handler)
+
+
+def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatch, captured):
+    """The patch fails half-way (after the self-attention's load_weights is set): nothing escapes, and both classes
+    are restored to exactly what vLLM defined."""
+    attn, model = getattr(m46, ATTN), getattr(m46, MODEL)
+    before = (dict(attn.__dict__), dict(model.__dict__))
+
+    def boom(*a, **k):
+        raise RuntimeError("synthetic failure")
+
+    monkeypatch.setattr(qkv_loader, "wrap_model_load_weights", boom)
+    monkeypatch.setenv("VLLM_MINICPM_HOTFIX", "force")
+    record._STATUS = None
+    hook.on_import(m46)  # must not raise
+    assert (dict(attn.__dict__), dict(model.__dict__)) == before
+    fix = record.current().fixes["qkv_loader"]
+    assert fix.verdict == "error" and not fix.applied and "synthetic failure" in fix.error
+    assert any(r.levelno == logging.WARNING and "hook failed" in r.getMessage() for r in captured)
+    record._STATUS = None
+
+
+def test_unrecognised_layout_skips_with_one_warning(m46, monkeypatch, captured):
+    """A vLLM whose model module lacks the self-attention class (a layout this fix does not know): one warning line,
+    nothing touched, even with force."""
+    fake = types.ModuleType("vllm.model_executor.models.minicpmv4_6")
+    fake.MiniCPMV4_6ForConditionalGeneration = getattr(m46, MODEL)
+    before = dict(getattr(m46, MODEL).__dict__)
+    for mode in ("auto", "force"):
+        captured.clear()
+        monkeypatch.setenv("VLLM_MINICPM_HOTFIX", mode)
+        record._STATUS = None
+        fix = patching.apply_qkv_fix(fake)
+        assert not fix.applied and fix.verdict == "unrecognised"
+        warnings = [r for r in captured if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "layout not recognised" in warnings[0].getMessage()
+        assert dict(getattr(m46, MODEL).__dict__) == before
+    record._STATUS = None
+
+
+def test_mode_parsing():
+    assert decision.mode_from_env({}) == (decision.Mode.AUTO, None)
+    assert decision.mode_from_env({"VLLM_MINICPM_HOTFIX": " Force "})[0] is decision.Mode.FORCE
+    assert decision.mode_from_env({"VLLM_MINICPM_HOTFIX": "off"})[0] is decision.Mode.OFF
+    mode, problem = decision.mode_from_env({"VLLM_MINICPM_HOTFIX": "of"})
+    assert mode is decision.Mode.AUTO and "'of'" in problem
+
+
+def test_decide_table():
+    v = decision.Verdict
+    S = decision.State
+    M = decision.Mode
+    assert decision.decide(M.AUTO, v(S.BROKEN, "x")).apply
+    assert not decision.decide(M.AUTO, v(S.CORRECT, "x")).apply
+    assert not decision.decide(M.AUTO, v(S.UNDETERMINED, "x")).apply
+    assert decision.decide(M.FORCE, v(S.CORRECT, "x")).apply
+    assert decision.decide(M.FORCE, v(S.UNDETERMINED, "x")).apply
+    assert not decision.decide(M.FORCE, v(S.UNRECOGNISED, "x")).apply
+    assert not decision.decide(M.OFF, v(S.BROKEN, "x")).apply
+
+
+def test_status_is_json_serialisable_and_cheap_to_import():
+    out, _ = fresh_python(
+        "import vllm_minicpm_hotfix as h; st = h.status(); "
+        "print(json.dumps({'st': st, 'mods': sorted(m for m in ('wrapt', 'torch', 'vllm') if m in sys.modules)}))"
+    )
+    assert out["mods"] == []
+    assert out["st"]["hook_installed"] is False and out["st"]["fixes"] == {}

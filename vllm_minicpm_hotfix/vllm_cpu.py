@@ -1,0 +1,161 @@
+"""Build a real vLLM ``MiniCPMV4_6ForConditionalGeneration`` on CPU and load a checkpoint into it.
+
+The recipe is the measured one in shared/notes/vllm-on-cpu.md ("How the model was built and loaded"), the same
+``model.load_weights(iter over (name, tensor))`` call vLLM's DefaultModelLoader makes.  The API used here is the same
+in every vLLM release 0.26.0-0.33.0.
+
+    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors
+    model = build_vllm_model(ckpt_dir)                                  # raises what load_weights raises
+    ckpt = checkpoint_tensors(ckpt_dir)
+    assert torch.equal(model.vit_merger.self_attn.qkv_proj.weight, torch.cat([ckpt[q], ckpt[k], ckpt[v]]))
+
+Importing this module does not import vLLM (``import vllm`` takes ~30 s); the functions do.  Set
+``VLLM_TARGET_DEVICE=cpu`` before calling them (done here with ``setdefault`` if unset).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+_distributed_ready = False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_distributed() -> None:
+    """Initialise vLLM's (single-rank, gloo) distributed environment once per process, on a free port."""
+    global _distributed_ready
+    if _distributed_ready:
+        return
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import init_distributed_environment
+
+    if not dist.is_initialized():
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            local_rank=0,
+            backend="gloo",
+        )
+    _distributed_ready = True
+
+
+def checkpoint_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoint's safetensors files, in load order (sharded via ``model.safetensors.index.json`` or not)."""
+    d = Path(checkpoint_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [d / name for name in sorted(set(weight_map.values()))]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {d}")
+    return files
+
+
+def iter_checkpoint(checkpoint_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` from every safetensors file, fresh tensors on each call (vLLM may tag them)."""
+    from safetensors import safe_open
+
+    for f in checkpoint_files(checkpoint_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def checkpoint_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder by name (handles ``model.safetensors.index.json`` shards)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in iter_checkpoint(checkpoint_dir):
+        if name in out:
+            raise ValueError(f"tensor {name} appears in more than one shard of {checkpoint_dir}")
+        out[name] = t
+    return out
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def make_vllm_config(checkpoint_dir: str | os.PathLike, dtype: str = "float32"):
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+
+    model_config = ModelConfig(model=str(checkpoint_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
+    return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
+
+
+def build_vllm_model(checkpoint_dir: str | os.PathLike, dtype: str = "float32", *, load: bool = True, model_cls=None):
+    """Construct vLLM's ``MiniCPMV4_6ForConditionalGeneration`` for ``checkpoint_dir`` on CPU and (by default) load
+    the checkpoint with ``model.load_weights`` -- whatever that raises propagates.
+
+    ``model_cls`` overrides the class (e.g. ``MiniCPMV4_7ForConditionalGeneration``); ``load=False`` returns the
+    freshly constructed model (load it later with :func:`load_checkpoint`).  The model is returned in eval mode.
+    """
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    ensure_distributed()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import initialize_model_parallel, model_parallel_is_initialized
+
+    if model_cls is None:
+        from vllm.model_executor.models.minicpmv4_6 import MiniCPMV4_6ForConditionalGeneration as model_cls
+
+    vllm_config = make_vllm_config(checkpoint_dir, dtype)
+    torch_dtype = vllm_config.model_config.dtype
+    if isinstance(torch_dtype, str):
+        torch_dtype = _DTYPES[torch_dtype]
+    with set_current_vllm_config(vllm_config):
+        if not model_parallel_is_initialized():
+            initialize_model_parallel(1, 1)
+        with _default_dtype(torch_dtype), torch.device("cpu"):
+            model = model_cls(vllm_config=vllm_config)
+        if load:
+            model.load_weights(iter_checkpoint(checkpoint_dir))
+    model.vllm_config = vllm_config  # handy for callers that run a forward pass under set_current_vllm_config
+    return model.eval()
+
+
+def load_checkpoint(model, checkpoint_dir: str | os.PathLike):
+    """``model.load_weights`` over the checkpoint, under the model's vLLM config; returns what it returns."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(model.vllm_config):
+        return model.load_weights(iter_checkpoint(checkpoint_dir))
+
+
+def prepare_for_forward(model) -> None:
+    """What vLLM's DefaultModelLoader does after ``load_weights``: ``process_weights_after_loading`` (on CPU this
+    sets up the linear layers' kernels), so the model can run a forward pass."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    with set_current_vllm_config(model.vllm_config):
+        process_weights_after_loading(model, model.vllm_config.model_config, torch.device("cpu"))
+
