@@ -8,10 +8,6 @@ Public API:
 Importing this package is cheap: it imports neither wrapt, torch nor vLLM.
 """
 
-from __future__ import annotations
-
-from typing import Any
-
 __version__ = "0.1.0"
 __all__ = ["install", "status", "__version__"]
 
@@ -23,7 +19,7 @@ def install() -> bool:
     return _install()
 
 
-def status() -> dict[str, Any]:
+def status() -> dict:
     """This process's record: ``pid``, ``mode``, ``hook_installed``, ``module_imported``, ``vllm_version`` and per
     fix (``qkv_loader``) its ``verdict``, ``reason``, ``applied``, ``why`` and ``error``."""
     from .record import current
