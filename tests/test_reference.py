@@ -18,7 +18,7 @@ def models(m46, tiny):
     with hotfix(m46, "auto"):
         vllm_model = build_vllm_model(tiny, load=False)
         load_checkpoint(vllm_model, tiny)
-    prepare_for_forward(vllm_model)
+    prepare_for_forward(vllm_model, "vit_merger")
     hf = transformers.MiniCPMV4_6ForConditionalGeneration.from_pretrained(
         tiny, dtype=torch.float32, attn_implementation="eager"
     ).eval()

@@ -62,7 +62,8 @@ def test_hotfix_load_exact(m46, expected, checkpoint, mode):
         model = build_vllm_model(checkpoint, load=False)
         loaded = load(model, checkpoint)
         assert_vit_merger_exact(model, checkpoint)
-        assert {"vit_merger.self_attn.qkv_proj.weight", "vit_merger.self_attn.qkv_proj.bias"} <= loaded
+        if fix.applied:  # the loader reports parameter names (0.22-0.24's own loop reports q_proj.* instead)
+            assert {"vit_merger.self_attn.qkv_proj.weight", "vit_merger.self_attn.qkv_proj.bias"} <= loaded
 
 
 def test_auto_leaves_correct_release_untouched(m46, expected):

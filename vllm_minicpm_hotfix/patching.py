@@ -56,7 +56,7 @@ def _apply_qkv_fix(module: ModuleType) -> None:
 def revert(module: ModuleType | None = None) -> bool:
     """Restore every class attribute the hotfix set (in ``module`` only, if given). Returns whether any was set."""
     keys = [k for k in _ORIGINALS if module is None or k[0].__module__ == module.__name__]
-    _undo([(cls, attr, _ORIGINALS.pop((cls, attr))) for cls, attr in reversed(keys)][::-1])
+    _undo([(cls, attr, _ORIGINALS.pop((cls, attr))) for cls, attr in keys])
     if keys:
         fix = current().fixes.get(QKV_FIX)
         if fix is not None:
@@ -75,7 +75,7 @@ def apply_qkv_fix(module: ModuleType) -> FixStatus:
     mode = decision.Mode(status.mode)
     attn_cls = getattr(module, decision.ATTN_CLASS, None)
     if isinstance(attn_cls, type) and is_patched(attn_cls):
-        fix = status.fixes.get(QKV_FIX) or FixStatus(QKV_FIX, "broken", "", True, "")
+        fix = status.fixes.get(QKV_FIX) or FixStatus(QKV_FIX, "n/a", "patched before this status record began", True, "")
         fix.applied, fix.why = True, "already patched in this process"
         status.fixes[QKV_FIX] = fix
         return fix
@@ -91,7 +91,9 @@ def apply_qkv_fix(module: ModuleType) -> FixStatus:
     if chosen.apply:
         _apply_qkv_fix(module)
         fix.applied = True
-        logger.info(
+        # WARNING, not INFO: patching vLLM must be impossible to miss, also where vLLM has not configured its
+        # logging yet (0.32+ configures it lazily, so an INFO line from a script would be dropped).
+        logger.warning(
             "vllm-minicpm-hotfix: MiniCPM-V 4.6 vit_merger q/k/v loader PATCHED in pid %d (vLLM %s, mode %s): %s",
             os.getpid(), version, mode.value, chosen.why,
         )

@@ -150,12 +150,14 @@ def load_checkpoint(model, checkpoint_dir: str | os.PathLike):
         return model.load_weights(iter_checkpoint(checkpoint_dir))
 
 
-def prepare_for_forward(model) -> None:
+def prepare_for_forward(model, part: str | None = None) -> None:
     """What vLLM's DefaultModelLoader does after ``load_weights``: ``process_weights_after_loading`` (on CPU this
-    sets up the linear layers' kernels), so the model can run a forward pass."""
+    sets up the linear layers' kernels), so the model -- or only its submodule ``part``, e.g. ``"vit_merger"`` -- can
+    run a forward pass. Processing only a part avoids CPU kernels the part does not need (0.30's causal-conv1d weight
+    packing has no float32 kernel)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+    target = model.get_submodule(part) if part else model
     with set_current_vllm_config(model.vllm_config):
-        process_weights_after_loading(model, model.vllm_config.model_config, torch.device("cpu"))
-
+        process_weights_after_loading(target, model.vllm_config.model_config, torch.device("cpu"))
