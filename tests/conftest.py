@@ -104,11 +104,15 @@ def hotfix(m46, mode: str):
 @pytest.fixture(autouse=True)
 def _stock_between_tests(m46):
     """Every test starts and ends with vLLM's classes exactly as vLLM defined them."""
-    from vllm_minicpm_hotfix import patching
+    from vllm_minicpm_hotfix import patching, processor_fix
 
-    assert not patching.is_patched(getattr(m46, ATTN)), "a previous test left vLLM patched"
+    def patched() -> bool:
+        info = getattr(m46, processor_fix.INFO_CLASS, None)
+        return patching.is_patched(getattr(m46, ATTN)) or (isinstance(info, type) and processor_fix.is_patched(info))
+
+    assert not patched(), "a previous test left vLLM patched"
     yield
-    assert not patching.is_patched(getattr(m46, ATTN)), "this test left vLLM patched"
+    assert not patched(), "this test left vLLM patched"
 
 
 def pytest_report_header(config):

@@ -118,12 +118,15 @@ def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatc
     monkeypatch.setattr(qkv_loader, "wrap_model_load_weights", boom)
     monkeypatch.setenv("VLLM_MINICPM_HOTFIX", "force")
     record._STATUS = None
-    hook.on_import(m46)  # must not raise
-    assert (dict(attn.__dict__), dict(model.__dict__)) == before
-    fix = record.current().fixes["qkv_loader"]
-    assert fix.verdict == "error" and not fix.applied and "synthetic failure" in fix.error
-    assert any(r.levelno == logging.WARNING and "hook failed" in r.getMessage() for r in captured)
-    record._STATUS = None
+    try:
+        hook.on_import(m46)  # must not raise
+        assert (dict(attn.__dict__), dict(model.__dict__)) == before
+        fix = record.current().fixes["qkv_loader"]
+        assert fix.verdict == "error" and not fix.applied and "synthetic failure" in fix.error
+        assert any(r.levelno == logging.WARNING and "hook failed" in r.getMessage() for r in captured)
+    finally:
+        patching.revert(m46)  # the other fix (processor) ran normally under force
+        record._STATUS = None
 
 
 def test_unrecognised_layout_skips_with_one_warning(m46, monkeypatch, captured):

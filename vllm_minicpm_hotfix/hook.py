@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 import traceback
+from collections.abc import Callable
 from types import ModuleType
 
-from . import patching
+from . import patching, processor_fix
 from .record import FixStatus, current, installed_vllm_version, logger
 
 TARGET_MODULE = "vllm.model_executor.models.minicpmv4_6"
@@ -22,23 +23,33 @@ _installed = False
 
 
 def on_import(module: ModuleType) -> None:
-    """Apply the hotfix to the freshly imported model module. Never raises: a failure is logged, recorded in the
-    status, and the module is left exactly as vLLM defined it (:func:`patching.apply_qkv_fix` is transactional)."""
+    """Apply the hotfixes to the freshly imported model module. Never raises: a failure is logged, recorded in the
+    status, and the module is left exactly as vLLM defined it (each fix is transactional). Each fix runs in its own
+    ``try``, so one failing does not stop the other."""
     status = current()
     try:
         status.module_imported = True
         status.vllm_version = installed_vllm_version()
-        patching.apply_qkv_fix(module)
+    except Exception:  # pragma: no cover - the status record itself broken
+        pass
+    _guarded(patching.QKV_FIX, patching.apply_qkv_fix, module)
+    _guarded(processor_fix.PROCESSOR_FIX, processor_fix.apply_processor_fix, module)
+
+
+def _guarded(name: str, apply: Callable[[ModuleType], object], module: ModuleType) -> None:
+    """Run one fix; record an exception as an ``error`` :class:`FixStatus` under ``name`` and log it."""
+    try:
+        apply(module)
     except BaseException as exc:  # noqa: BLE001 - nothing may escape into vLLM's import
         if not isinstance(exc, Exception):
             raise
-        status.fixes[patching.QKV_FIX] = FixStatus(
-            patching.QKV_FIX, "error", "", False, "hook failed; vLLM left as it was", f"{type(exc).__name__}: {exc}"
-        )
         try:
+            current().fixes[name] = FixStatus(
+                name, "error", "", False, "hook failed; vLLM left as it was", f"{type(exc).__name__}: {exc}"
+            )
             logger.warning(
-                "vllm-minicpm-hotfix: the post-import hook failed, vLLM left unpatched: %s\n%s",
-                exc, traceback.format_exc(),
+                "vllm-minicpm-hotfix: the post-import hook failed (%s), vLLM left unpatched: %s\n%s",
+                name, exc, traceback.format_exc(),
             )
         except Exception:  # pragma: no cover - logging itself broken
             pass

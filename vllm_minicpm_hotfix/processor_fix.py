@@ -1,0 +1,441 @@
+"""The second fix: hand transformers' MiniCPM-V 4.6 image processor the ``downsample_mode`` vLLM forgot to pass.
+
+What breaks
+-----------
+From transformers 5.23, ``MiniCPMV4_6ImageProcessor.find_best_resize(image_size, scale_resolution, patch_size,
+downsample_mode, allow_upscale=False)`` and ``get_refine_size(image_size, grid, scale_resolution, patch_size,
+downsample_mode, allow_upscale=False)`` take a required ``downsample_mode`` and round each side to a multiple of
+``patch_size * 4`` in ``"16x"`` mode and ``patch_size * 2`` in ``"4x"`` mode (transformers <= 5.20: always
+``patch_size * 4``, no such argument). The image processor itself passes it when it resizes (``_preprocess``).
+vLLM's ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens`` (``vllm/model_executor/models/minicpmv4_6.py``, the same
+body in every release 0.22-0.33) calls both *without* it::
+
+    best_size = image_processor.find_best_resize(hf_image_size, scale_res, patch_size, allow_upscale=True)
+    ...
+    refine_size = image_processor.get_refine_size(hf_image_size, grids, scale_res, patch_size, allow_upscale=True)
+
+so with transformers >= 5.23 every image (and video frame) placeholder count -- the dummy-input profiling at engine
+start-up included -- raises ``TypeError: MiniCPMV4_6ImageProcessor.find_best_resize() missing 1 required positional
+argument: 'downsample_mode'``. vLLM 0.31+ pins transformers below that; 0.22-0.30 do not.
+
+What the fix does
+-----------------
+It wraps ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens`` (vLLM's own method, patched on vLLM's class; transformers
+is not touched). The wrapper resolves the mode exactly as vLLM's body does --
+``self._get_downsample_mode(downsample_mode)``: the ``downsample_mode`` argument vLLM threads in from the request's
+``mm_processor_kwargs`` (``MiniCPMV4_6MultiModalProcessor._resolve_downsample_mode``), else the processor's own
+``downsample_mode`` (which carries the model-level ``mm_processor_kwargs``) -- then runs vLLM's *original* body against
+a per-call view of ``self`` whose ``get_image_processor()`` returns a view of the real image processor. That view adds
+``downsample_mode=<resolved mode>`` to ``find_best_resize`` / ``get_refine_size`` calls whose target signature has the
+parameter and that did not bind it; everything else (``get_sliced_grid``, ``patch_size``, ...) is the real processor.
+So vLLM's count is computed by vLLM's own arithmetic on transformers' own sizes for the same mode the image processor
+resizes with (vLLM calls it as ``image_processor([image], **mm_kwargs)``, the same ``mm_kwargs``), and equals the number
+of ``<|image_pad|>`` tokens transformers' ``MiniCPMV4_6Processor`` inserts. The views are per call: no shared state is
+mutated, so concurrent requests with different modes do not interfere.
+
+The decision
+------------
+:func:`probe` decides by behaviour and signatures, never by version strings:
+
+1. vLLM side recognised: ``MiniCPMV4_6ProcessingInfo`` with a ``_compute_visual_tokens`` -- else ``unrecognised``.
+2. transformers side: the installed ``MiniCPMV4_6ImageProcessor`` (and the PIL variant where importable) -- does
+   ``find_best_resize`` or ``get_refine_size`` take a ``downsample_mode`` parameter? If not, the fix is *not
+   applicable* (passing it would itself raise ``TypeError``) and not needed: ``correct``.
+3. vLLM's behaviour: run vLLM's own ``_compute_visual_tokens`` on a stand-in ``ProcessingInfo`` (created without
+   ``__init__``; no model, config or tokenizer needed) whose image processor is the real transformers class (also
+   created without ``__init__``; its class defaults ``patch_size`` 14, ``scale_resolution`` 448, ``max_slice_nums`` 9
+   suffice) behind a recorder, for one unsliced and one sliced size. ``broken`` if it raises the ``TypeError`` naming
+   ``downsample_mode``, or if it calls a method that takes ``downsample_mode`` without passing it (a transformers that
+   made the argument optional would silently round every ``"4x"`` image as ``"16x"``: a misaligned count);
+   ``correct`` if vLLM passes it itself; ``undetermined`` if anything else goes wrong.
+
+``VLLM_MINICPM_HOTFIX``: ``auto`` applies on ``broken``; ``off`` never; ``force`` applies wherever the fix is
+*applicable and safe* -- vLLM's layout recognised and transformers' methods take ``downsample_mode`` -- even when the
+probe found vLLM correct or could not tell (the wrapper only adds the argument where vLLM did not bind it, so on a vLLM
+that passes it the patch is a no-op). ``force`` does *not* patch where transformers' methods lack the parameter or
+vLLM's layout is unknown: there the wrapper could only do nothing or raise, and vLLM is better left exactly as shipped.
+
+Public: :func:`apply_processor_fix` (called by the post-import hook), :func:`revert_processor_fix` (tests),
+:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+from types import ModuleType
+from typing import Any
+
+from . import decision
+from .patching import revert_fix, run_fix, set_attributes
+from .qkv_loader import MARKER_ATTR
+from .record import FixStatus
+
+PROCESSOR_FIX = "processor_downsample_mode"
+
+INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
+METHOD = "_compute_visual_tokens"
+#: transformers' image-processor methods vLLM calls without the mode.
+TARGETS = ("find_best_resize", "get_refine_size")
+PARAM = "downsample_mode"
+#: transformers modules holding the 4.6 image processors (torchvision backend first: AutoImageProcessor's default).
+TRANSFORMERS_CLASSES = (
+    ("transformers.models.minicpmv4_6.image_processing_minicpmv4_6", "MiniCPMV4_6ImageProcessor"),
+    ("transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6", "MiniCPMV4_6ImageProcessorPil"),
+)
+#: (width, height) fed to vLLM's method by the probe: unsliced (find_best_resize with allow_upscale) and sliced
+#: (find_best_resize + get_refine_size) at the class default scale_resolution 448.
+PROBE_SIZES = ((64, 48), (1344, 896))
+
+_MARKER = "processor_downsample_mode"
+
+# vLLM's ImageSize is a NamedTuple(width, height); its body only reads .width / .height.
+_ImageSize = collections.namedtuple("_ImageSize", "width height")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The views the wrapper runs vLLM's body against.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _call_with_mode(method: Any, mode: Any, args: tuple, kwargs: dict) -> Any:
+    """Call ``method(*args, **kwargs)``, adding ``downsample_mode=mode`` if ``method`` takes it and it is unbound.
+
+    ``method`` is the real processor's bound ``find_best_resize`` / ``get_refine_size``. Arguments that do not bind
+    are passed through unchanged, so the error is transformers' own. Returns what ``method`` returns
+    (``(height, width)`` ints).
+    """
+    if PARAM not in kwargs:
+        try:
+            sig = inspect.signature(method)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None and PARAM in sig.parameters:
+            try:
+                bound = sig.bind_partial(*args, **kwargs)
+            except TypeError:
+                bound = None
+            if bound is not None and PARAM not in bound.arguments:
+                kwargs = {**kwargs, PARAM: mode}
+    return method(*args, **kwargs)
+
+
+class _ModeBoundImageProcessor:
+    """The real image processor, except that ``find_best_resize`` / ``get_refine_size`` get the resolved mode."""
+
+    __slots__ = ("_ip", "_mode")
+
+    def __init__(self, image_processor: Any, mode: Any) -> None:
+        object.__setattr__(self, "_ip", image_processor)
+        object.__setattr__(self, "_mode", mode)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_ip"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._ip, name, value)
+
+    def find_best_resize(self, *args: Any, **kwargs: Any) -> Any:
+        return _call_with_mode(self._ip.find_best_resize, self._mode, args, kwargs)
+
+    def get_refine_size(self, *args: Any, **kwargs: Any) -> Any:
+        return _call_with_mode(self._ip.get_refine_size, self._mode, args, kwargs)
+
+
+class _InfoView:
+    """``self`` for vLLM's ``_compute_visual_tokens``: the real ``ProcessingInfo`` but for ``get_image_processor``."""
+
+    __slots__ = ("_info", "_mode")
+
+    def __init__(self, info: Any, mode: Any) -> None:
+        object.__setattr__(self, "_info", info)
+        object.__setattr__(self, "_mode", mode)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_info"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._info, name, value)
+
+    def get_image_processor(self, *args: Any, **kwargs: Any) -> Any:
+        return _ModeBoundImageProcessor(self._info.get_image_processor(*args, **kwargs), self._mode)
+
+
+def _resolve_mode(info: Any, requested: Any) -> Any:
+    """The mode vLLM's body resolves: ``MiniCPMV4_6ProcessingInfo._get_downsample_mode`` (0.22-0.33) where present,
+    else the argument, else the image processor's ``downsample_mode``, else ``"16x"``."""
+    resolver = getattr(info, "_get_downsample_mode", None)
+    if callable(resolver):
+        return resolver(requested)
+    if requested is not None:
+        return requested
+    return getattr(info.get_image_processor(), PARAM, "16x")
+
+
+def wrap_compute_visual_tokens(original: Any) -> Any:
+    """Wrap vLLM's ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens`` (see the module docstring).
+
+    The wrapper has the original's signature ``(self, image_size: ImageSize, max_slice_nums: int | None = None,
+    downsample_mode: str | None = None) -> tuple[list[int], int, int]`` -- ``(grids [rows, cols] or [0, 0],
+    source_image_visual_tokens, patch_visual_tokens)`` -- and raises what the original raises. Arguments that do not
+    bind to the original's signature are passed through untouched, so vLLM's own error surfaces.
+    """
+    sig = inspect.signature(original)
+    first = next(iter(sig.parameters))
+    has_mode_param = PARAM in sig.parameters
+
+    @functools.wraps(original)
+    def _compute_visual_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = sig.bind(self, *args, **kwargs)
+        except TypeError:
+            return original(self, *args, **kwargs)
+        mode = _resolve_mode(self, bound.arguments.get(PARAM))
+        if has_mode_param:
+            bound.arguments[PARAM] = mode
+        bound.arguments[first] = _InfoView(self, mode)
+        return original(*bound.args, **bound.kwargs)
+
+    setattr(_compute_visual_tokens, MARKER_ATTR, _MARKER)
+    _compute_visual_tokens.__vllm_minicpm_hotfix_original__ = original
+    return _compute_visual_tokens
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The probe.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    state: decision.State
+    reason: str
+    #: transformers' methods take ``downsample_mode`` and vLLM's layout is recognised: patching is safe.
+    applicable: bool
+
+    @property
+    def broken(self) -> bool:
+        return self.state is decision.State.BROKEN
+
+
+def transformers_image_processor_classes() -> list[type]:
+    """The installed transformers' MiniCPM-V 4.6 image-processor classes that import (none before 5.7)."""
+    import importlib
+
+    found = []
+    for mod_name, cls_name in TRANSFORMERS_CLASSES:
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name, None)
+        except Exception:  # a missing backend (torchvision / PIL) or no such model in this transformers
+            continue
+        if isinstance(cls, type):
+            found.append(cls)
+    return found
+
+
+def takes_mode(cls: type) -> dict[str, str]:
+    """For each of :data:`TARGETS` that ``cls`` defines with a ``downsample_mode`` parameter: ``"required"`` or
+    ``"optional"``. Empty if none takes it."""
+    out = {}
+    for name in TARGETS:
+        try:
+            params = inspect.signature(getattr(cls, name)).parameters
+        except (AttributeError, TypeError, ValueError):
+            continue
+        if PARAM in params:
+            out[name] = "required" if params[PARAM].default is inspect.Parameter.empty else "optional"
+    return out
+
+
+class _RecordingImageProcessor:
+    """The real processor behind a recorder: each :data:`TARGETS` call vLLM makes is recorded as
+    ``(method, passed downsample_mode?)`` and forwarded, so transformers' own errors surface."""
+
+    def __init__(self, real: Any, calls: list) -> None:
+        self._real = real
+        self._calls = calls
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name not in TARGETS:
+            return attr
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            passed = PARAM in kwargs
+            if not passed:
+                try:
+                    passed = PARAM in inspect.signature(attr).bind_partial(*args, **kwargs).arguments
+                except TypeError:
+                    passed = False
+            self._calls.append((name, passed))
+            return attr(*args, **kwargs)
+
+        return record
+
+
+def probe(module: ModuleType) -> ProbeResult:
+    """Decide whether vLLM's placeholder count omits a ``downsample_mode`` the installed transformers needs.
+
+    Args:
+        module: the imported ``vllm.model_executor.models.minicpmv4_6``.
+
+    Returns:
+        A :class:`ProbeResult` (see the module docstring for the states). Never raises; leaves ``module`` and
+        transformers unchanged. Costs well under a millisecond plus the import of transformers' 4.6 image-processor
+        modules (already imported by vLLM in practice).
+    """
+    info_cls = getattr(module, INFO_CLASS, None)
+    if not isinstance(info_cls, type) or not callable(getattr(info_cls, METHOD, None)):
+        return ProbeResult(
+            decision.State.UNRECOGNISED, f"{module.__name__} has no {INFO_CLASS}.{METHOD}", applicable=False
+        )
+    try:
+        classes = transformers_image_processor_classes()
+    except Exception as exc:  # pragma: no cover - importlib itself failing
+        return ProbeResult(decision.State.UNDETERMINED, f"transformers not inspectable: {exc!r}", applicable=False)
+    if not classes:
+        return ProbeResult(
+            decision.State.UNRECOGNISED,
+            "the installed transformers has no MiniCPM-V 4.6 image processor (needs transformers >= 5.7)",
+            applicable=False,
+        )
+    taking = [(cls, takes_mode(cls)) for cls in classes]
+    taking = [(cls, t) for cls, t in taking if t]
+    if not taking:
+        return ProbeResult(
+            decision.State.CORRECT,
+            f"not needed: transformers' {'/'.join(c.__name__ for c in classes)}.find_best_resize/get_refine_size "
+            f"take no {PARAM}",
+            applicable=False,
+        )
+    ip_cls, kinds = taking[0]
+    described = ", ".join(f"{ip_cls.__name__}.{m}({PARAM}: {k})" for m, k in kinds.items())
+
+    try:
+        calls: list = []
+        real = ip_cls.__new__(ip_cls)
+        recorder = _RecordingImageProcessor(real, calls)
+        info = info_cls.__new__(info_cls)
+        # An instance attribute shadows the class's get_image_processor on this throw-away object only.
+        info.__dict__["get_image_processor"] = lambda *a, **k: recorder
+        original = getattr(info_cls, METHOD)
+        original = getattr(original, "__vllm_minicpm_hotfix_original__", original)
+        method_takes_mode = PARAM in inspect.signature(original).parameters
+    except Exception as exc:
+        return ProbeResult(
+            decision.State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}", applicable=True
+        )
+    try:
+        for width, height in PROBE_SIZES:
+            kwargs = {PARAM: "16x"} if method_takes_mode else {}
+            original(info, _ImageSize(width, height), None, **kwargs)
+    except TypeError as exc:
+        if PARAM in str(exc):
+            return ProbeResult(
+                decision.State.BROKEN,
+                f"vLLM's {INFO_CLASS}.{METHOD} calls transformers' {described} without it: "
+                f"TypeError: {exc}",
+                applicable=True,
+            )
+        return ProbeResult(
+            decision.State.UNDETERMINED, f"probe failed inside vLLM's {METHOD}: TypeError: {exc}", applicable=True
+        )
+    except Exception as exc:
+        return ProbeResult(
+            decision.State.UNDETERMINED,
+            f"probe failed inside vLLM's {METHOD}: {type(exc).__name__}: {exc}",
+            applicable=True,
+        )
+    missing = sorted({name for name, passed in calls if not passed and name in kinds})
+    if missing:
+        return ProbeResult(
+            decision.State.BROKEN,
+            f"vLLM's {INFO_CLASS}.{METHOD} calls {', '.join(missing)} without {PARAM}; transformers' {described} "
+            f"then rounds every image with its default mode, so '4x' counts are misaligned",
+            applicable=True,
+        )
+    if not calls:
+        return ProbeResult(
+            decision.State.UNDETERMINED,
+            f"vLLM's {METHOD} never called {'/'.join(TARGETS)} on the probe sizes",
+            applicable=True,
+        )
+    return ProbeResult(
+        decision.State.CORRECT, f"not needed: vLLM's {METHOD} passes {PARAM} itself ({described})", applicable=True
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    apply: bool
+    why: str
+
+
+def decide(mode: decision.Mode, result: ProbeResult) -> Decision:
+    """Combine the mode and the probe: ``force`` applies only where :attr:`ProbeResult.applicable`."""
+    env = decision.ENV_VAR
+    if mode is decision.Mode.OFF:
+        return Decision(False, f"{env}=off")
+    if result.state is decision.State.UNRECOGNISED:
+        return Decision(False, f"layout not recognised, vLLM left untouched: {result.reason}")
+    if not result.applicable:
+        suffix = f" ({env}=force does not apply it here: transformers' methods lack {PARAM})" if (
+            mode is decision.Mode.FORCE
+        ) else ""
+        return Decision(False, f"{result.reason}{suffix}")
+    if mode is decision.Mode.FORCE:
+        return Decision(True, f"{env}=force (verdict: {result.state.value})")
+    if result.state is decision.State.BROKEN:
+        return Decision(True, f"vLLM's placeholder count omits the {PARAM} the installed transformers takes")
+    if result.state is decision.State.CORRECT:
+        return Decision(False, result.reason)
+    return Decision(
+        False,
+        f"could not tell whether vLLM's placeholder count needs {PARAM} ({result.reason}); vLLM left untouched, "
+        f"set {env}=force to apply the fix anyway",
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Apply / revert: transactional, idempotent.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def is_patched(info_cls: type) -> bool:
+    return getattr(info_cls.__dict__.get(METHOD), MARKER_ATTR, None) == _MARKER
+
+
+def _apply(module: ModuleType) -> None:
+    info_cls = getattr(module, INFO_CLASS)
+    set_attributes(PROCESSOR_FIX, [(info_cls, METHOD, wrap_compute_visual_tokens)])
+
+
+def revert_processor_fix(module: ModuleType | None = None) -> bool:
+    """Restore what :func:`apply_processor_fix` set (in ``module`` only, if given). Returns whether anything was set.
+
+    Marks the status record's ``processor_downsample_mode`` entry as not applied (``why="reverted"``)."""
+    return revert_fix(PROCESSOR_FIX, module)
+
+
+def apply_processor_fix(module: ModuleType) -> FixStatus:
+    """Probe, decide and, if so decided, wrap ``module``'s ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens``.
+
+    Records the outcome as ``current().fixes["processor_downsample_mode"]`` and returns it. Idempotent: a class
+    already patched is reported as such and left alone. Raises only what the patching itself raises (the caller, the
+    post-import hook, catches and logs it); the class is then left exactly as it was.
+    """
+    info_cls = getattr(module, INFO_CLASS, None)
+    return run_fix(
+        PROCESSOR_FIX,
+        module,
+        label="image placeholder count (downsample_mode)",
+        already_patched=isinstance(info_cls, type) and is_patched(info_cls),
+        probe=lambda: probe(module),
+        decide=decide,
+        apply=lambda: _apply(module),
+    )
+
+
+__all__ = ["PROCESSOR_FIX", "apply_processor_fix", "revert_processor_fix", "probe", "ProbeResult", "decide"]
