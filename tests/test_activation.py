@@ -1,0 +1,366 @@
+"""The activation paths, each in real interpreters of this environment (real start-up: ``site``, ``.pth`` files,
+``sitecustomize``; real vLLM imports), never in-process mocks:
+
+* ``pip install`` -> ``vllm-minicpm-hotfix.pth`` (vllm_minicpm_hotfix/_bootstrap.py) and the ``vllm.general_plugins``
+  entry point (vllm_minicpm_hotfix/plugin.py);
+* PYTHONPATH injection -> the top-level ``sitecustomize.py``, alone or in a ``vllm-minicpm-hotfix bundle`` folder
+  (vllm_minicpm_hotfix/bundle.py) with its pure-Python wrapt.
+
+"Installed" always means a throwaway overlay of this environment (tests/e2e/__init__.py), never the shared one.
+Only three tests import vLLM (~30 s each); the rest start bare interpreters (~50 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from e2e import (
+    build_wheel,
+    clean_env,
+    make_bundle,
+    overlay_env,
+    pip_install,
+    run_python,
+    site_packages,
+    source_copy,
+)
+
+from vllm_minicpm_hotfix import _bootstrap, bundle
+
+M46 = "vllm.model_executor.models.minicpmv4_6"
+HEAVY = ("wrapt", "torch", "vllm", "transformers")
+QKV_LINE = re.compile(r"vit_merger q/k/v loader PATCHED in pid (\d+)")
+PROCESSOR_LINE = re.compile(r"image placeholder count \(downsample_mode\) PATCHED in pid (\d+)")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Environments (built once per module; cheap: a wheel, two venvs of symbolic links, a bundle)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("activation")
+
+
+@pytest.fixture(scope="module")
+def wheel(work) -> Path:
+    return build_wheel(work / "wheel")
+
+
+@pytest.fixture(scope="module")
+def pip_env(work, wheel) -> Path:
+    """An overlay of this environment with the wheel pip-installed (wrapt comes from the environment)."""
+    python = overlay_env(work / "pip-env", wrapt=True)
+    pip_install(python, str(wheel))
+    return python
+
+
+@pytest.fixture(scope="module")
+def bare_env(work) -> Path:
+    """An overlay of this environment without wrapt and without the package: a vLLM image as shipped."""
+    return overlay_env(work / "bare-env", wrapt=False)
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(work) -> Path:
+    return make_bundle(work / "bundle")
+
+
+def started(python, *, pythonpath: str = "", cwd, **env: str) -> tuple[dict, str]:
+    """What a fresh interpreter looks like right after start-up, before it imports anything itself."""
+    code = """
+import sys, json
+hot = sys.modules.get("vllm_minicpm_hotfix._bootstrap")
+site_mod = sys.modules.get("sitecustomize")
+print(json.dumps({
+    "modules": sorted(sys.modules),
+    "waiting": [repr(f) for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
+    "sitecustomize": getattr(site_mod, "__file__", None),
+    "chained": getattr(getattr(site_mod, "CHAINED", None), "__file__", None),
+    "image_marker": getattr(sys, "image_sitecustomize_ran", None),
+}))
+"""
+    return run_python(python, code, env=clean_env(PYTHONPATH=pythonpath, **env), cwd=cwd, timeout=60)
+
+
+# Imports vLLM's model module as vLLM would, then lets vLLM load its general plugins, and reports.
+IMPORT_M46 = f"""
+import sys, json
+import {M46} as m
+import vllm_minicpm_hotfix as h
+from vllm_minicpm_hotfix import _bootstrap, patching, processor_fix
+before_plugins = list(_bootstrap.activations)
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+wrapt = sys.modules.get("wrapt")
+print(json.dumps({{
+    "status": h.status(),
+    "package": h.__file__,
+    "activations_before_plugins": before_plugins,
+    "activations": _bootstrap.activations,
+    "qkv_patched": patching.is_patched(m.MiniCPMV4_6ViTWindowAttentionSelfAttn),
+    "processor_patched": processor_fix.is_patched(getattr(m, processor_fix.INFO_CLASS)),
+    "wrapt": getattr(wrapt, "__file__", None),
+    "waiting": [repr(f) for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
+}}))
+"""
+
+
+def import_m46(python, *, pythonpath: str = "", cwd, **env: str) -> tuple[dict, str]:
+    return run_python(python, IMPORT_M46, env=clean_env(PYTHONPATH=pythonpath, **env), cwd=cwd, timeout=300)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packaging: the wheel ships the .pth and the entry point; pip install and pip install -e both get the .pth
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_wheel_ships_pth_entry_point_and_no_sitecustomize(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        pth = z.read("vllm-minicpm-hotfix.pth").decode()
+        entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+        template = z.read("vllm_minicpm_hotfix/_sitecustomize.py.txt").decode()
+    assert pth == (REPO / "vllm-minicpm-hotfix.pth").read_text()
+    assert "[vllm.general_plugins]" in entry_points
+    assert "minicpm_hotfix = vllm_minicpm_hotfix.plugin:register" in entry_points
+    assert template == (REPO / "sitecustomize.py").read_text()
+    # A top-level sitecustomize.py in site-packages would shadow the image's own: never shipped.
+    assert "sitecustomize.py" not in names
+    assert {"vllm_minicpm_hotfix/_bootstrap.py", "vllm_minicpm_hotfix/plugin.py"} <= names
+
+
+def test_editable_install_ships_the_pth(work, tmp_path):
+    """``pip install -e .`` (PEP 660): the .pth lands in site-packages and arms the hotfix from the source tree."""
+    src = source_copy(tmp_path / "src")
+    python = overlay_env(tmp_path / "env")
+    pip_install(python, "-e", str(src))
+    assert (site_packages(python) / "vllm-minicpm-hotfix.pth").read_text() == (REPO / "vllm-minicpm-hotfix.pth").read_text()
+    out, _ = run_python(
+        python,
+        "import sys, json, vllm_minicpm_hotfix as h; print(json.dumps({'file': h.__file__, "
+        "'waiting': [repr(f) for f in sys.meta_path if getattr(f, '_vllm_minicpm_hotfix_waiting', False)]}))",
+        env=clean_env(), cwd=tmp_path,
+    )
+    assert out["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (pth)>"]
+    assert Path(out["file"]).resolve().is_relative_to(src.resolve())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Start-up cost: every path defers wrapt, torch and vLLM
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_pth_adds_two_tiny_modules_at_start_up_and_nothing_heavy(pip_env, tmp_path):
+    plain, _ = started(sys.executable, cwd=tmp_path)
+    armed, _ = started(pip_env, cwd=tmp_path)
+    added = set(armed["modules"]) - set(plain["modules"])
+    assert added == {"vllm_minicpm_hotfix", "vllm_minicpm_hotfix._bootstrap"}, added
+    assert not [m for m in armed["modules"] if m.split(".")[0] in HEAVY]
+    assert armed["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (pth)>"]
+
+
+@pytest.mark.parametrize("where", ["repo", "bundle"])
+def test_sitecustomize_adds_nothing_heavy_at_start_up(where, bundle_dir, tmp_path):
+    folder = REPO if where == "repo" else bundle_dir
+    plain, _ = started(sys.executable, cwd=tmp_path)
+    armed, _ = started(sys.executable, pythonpath=str(folder), cwd=tmp_path)
+    added = set(armed["modules"]) - set(plain["modules"])
+    assert added <= {"sitecustomize", "vllm_minicpm_hotfix", "vllm_minicpm_hotfix._bootstrap"}, added
+    assert not [m for m in armed["modules"] if m.split(".")[0] in HEAVY]
+    assert Path(armed["sitecustomize"]).resolve() == (folder / "sitecustomize.py").resolve()
+    assert armed["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (sitecustomize)>"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# sitecustomize chains to the image's own
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def image_site(tmp_path) -> Path:
+    """A folder standing in for the image's site directory, with its own sitecustomize (as Debian/Ubuntu ship)."""
+    d = tmp_path / "image-site"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text("import sys\nsys.image_sitecustomize_ran = __name__\n")
+    return d
+
+
+@pytest.mark.parametrize("where", ["repo", "bundle"])
+def test_sitecustomize_chains_to_the_next_one(where, bundle_dir, image_site, tmp_path):
+    folder = REPO if where == "repo" else bundle_dir
+    out, log = started(sys.executable, pythonpath=f"{folder}:{image_site}", cwd=tmp_path)
+    assert out["image_marker"] == "sitecustomize"  # the image's ran, under its own name
+    assert Path(out["chained"]).resolve() == (image_site / "sitecustomize.py").resolve()
+    assert Path(out["sitecustomize"]).resolve() == (folder / "sitecustomize.py").resolve()
+    assert out["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (sitecustomize)>"]
+    assert "Error" not in log
+
+
+def test_sitecustomize_without_a_next_one_and_twice_on_the_path(bundle_dir, image_site, tmp_path):
+    alone, _ = started(sys.executable, pythonpath=str(bundle_dir), cwd=tmp_path)
+    assert alone["chained"] is None and alone["image_marker"] is None
+    # Repository and bundle both on the path, then the image's: each ours chains to the next, the image's runs once.
+    twice, _ = started(sys.executable, pythonpath=f"{REPO}:{bundle_dir}:{image_site}", cwd=tmp_path)
+    assert twice["image_marker"] == "sitecustomize"
+    assert len(twice["waiting"]) == 1
+
+
+def test_sitecustomize_never_raises(bundle_dir, image_site, tmp_path):
+    """The image's sitecustomize fails: start-up goes on, reported the way Python reports its own; the hotfix is
+    still armed. A broken package next to ours does not stop the chain either."""
+    (image_site / "sitecustomize.py").write_text("raise RuntimeError('image sitecustomize broke')\n")
+    out, log = started(sys.executable, pythonpath=f"{bundle_dir}:{image_site}", cwd=tmp_path)
+    assert "Error in sitecustomize" in log and "image sitecustomize broke" in log
+    assert out["waiting"] and out["chained"] is None
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bundle_dir, broken)
+    (broken / "vllm_minicpm_hotfix" / "_bootstrap.py").write_text("raise ImportError('synthetic')\n")
+    (image_site / "sitecustomize.py").write_text("import sys\nsys.image_sitecustomize_ran = __name__\n")
+    out, log = started(sys.executable, pythonpath=f"{broken}:{image_site}", cwd=tmp_path)
+    assert out["waiting"] == [] and out["image_marker"] == "sitecustomize"
+    assert "Traceback" not in log
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# VLLM_MINICPM_HOTFIX=off and the plugin's register()
+# --------------------------------------------------------------------------------------------------------------------
+
+
+REGISTER = """
+import sys, json
+from vllm_minicpm_hotfix import plugin, _bootstrap, hook
+result = plugin.register()
+print(json.dumps({"result": repr(result), "installed": hook._installed, "activations": _bootstrap.activations,
+                  "wrapt": getattr(sys.modules.get("wrapt"), "__file__", None),
+                  "waiting": [repr(f) for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]}))
+"""
+
+
+def test_off_disables_every_automatic_path(pip_env, bundle_dir, tmp_path):
+    """pth + sitecustomize + plugin all present, ``VLLM_MINICPM_HOTFIX=off``: nothing armed at start-up, nothing
+    imported, and ``register()`` -- what vLLM calls in each of its processes -- installs nothing. vLLM itself is not
+    imported (30 s): with no finder armed and no hook registered, nothing is left that could patch it."""
+    out, _ = started(pip_env, pythonpath=str(bundle_dir), cwd=tmp_path, VLLM_MINICPM_HOTFIX="off")
+    assert out["waiting"] == []
+    assert not [m for m in out["modules"] if m.split(".")[0] in HEAVY]
+    reg, _ = run_python(pip_env, REGISTER, env=clean_env(PYTHONPATH=str(bundle_dir), VLLM_MINICPM_HOTFIX="off"),
+                        cwd=tmp_path)
+    assert reg == {"result": "None", "installed": False, "activations": [], "wrapt": None, "waiting": []}
+
+
+def test_register_never_raises(bare_env, tmp_path):
+    """No wrapt anywhere (package on sys.path by hand, no bundle), then a wrapt that raises on import: register()
+    returns None, logs why, and leaves the hook uninstalled."""
+    env = clean_env(PYTHONPATH="")
+    code = f"import sys; sys.path.append({str(REPO)!r})\n" + REGISTER
+    out, log = run_python(bare_env, code, env=env, cwd=tmp_path)
+    assert out["result"] == "None" and out["installed"] is False and out["activations"] == []
+    assert "could not activate (plugin)" in log and "wrapt" in log
+
+    broken = tmp_path / "broken-wrapt"
+    (broken / "wrapt").mkdir(parents=True)
+    (broken / "wrapt" / "__init__.py").write_text("raise RuntimeError('broken wrapt')\n")
+    code = f"import sys; sys.path[:0] = [{str(broken)!r}, {str(REPO)!r}]\n" + REGISTER
+    out, log = run_python(sys.executable, code, env=env, cwd=tmp_path)
+    assert out["result"] == "None" and out["installed"] is False
+    assert "broken wrapt" in log
+
+
+def test_bundle_uses_its_wrapt_only_when_the_environment_has_none(bare_env, bundle_dir, tmp_path):
+    """install_now() (what the finder calls on ``import vllm``) picks the environment's wrapt where there is one."""
+    code = REGISTER.replace("plugin.register()", "_bootstrap.install_now('test')")
+    with_wrapt, _ = run_python(sys.executable, code, env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
+    assert with_wrapt["installed"] is True
+    assert Path(with_wrapt["wrapt"]).resolve().is_relative_to(site_packages().resolve())
+    without, _ = run_python(bare_env, code, env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
+    assert without["installed"] is True
+    assert Path(without["wrapt"]).resolve().is_relative_to((bundle_dir / _bootstrap.VENDOR_DIR).resolve())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The paths activate when vLLM imports the model module (these import vLLM: ~30 s each)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_pth_activates_on_import_and_plugin_is_idempotent(pip_env, expected, release, tmp_path):
+    out, log = import_m46(pip_env, cwd=tmp_path)
+    st = out["status"]
+    assert out["activations_before_plugins"] == ["pth"]
+    assert out["activations"] == ["pth", "plugin"]  # vLLM found and called our entry point; a no-op now
+    assert out["waiting"] == []  # the finder took itself off sys.meta_path
+    assert st["hook_installed"] and st["module_imported"]
+    assert st["vllm_version"].split("+")[0] == release
+    assert st["fixes"]["qkv_loader"]["verdict"] == expected[0]
+    assert out["qkv_patched"] is (expected[0] == "broken")
+    assert len(QKV_LINE.findall(log)) == (1 if expected[0] == "broken" else 0)
+    assert Path(out["package"]).resolve().is_relative_to(site_packages(pip_env).resolve())
+
+
+def test_bundle_without_wrapt_activates_with_its_own_wrapt(bare_env, bundle_dir, tmp_path):
+    out, log = import_m46(bare_env, pythonpath=str(bundle_dir), cwd=tmp_path, VLLM_MINICPM_HOTFIX="force")
+    assert out["activations"] == ["sitecustomize"]  # no entry point: the package is not installed
+    assert Path(out["package"]).resolve().is_relative_to(bundle_dir.resolve())
+    assert Path(out["wrapt"]).resolve().is_relative_to((bundle_dir / _bootstrap.VENDOR_DIR).resolve())
+    assert out["qkv_patched"] and out["status"]["fixes"]["qkv_loader"]["applied"]
+    assert QKV_LINE.findall(log) == [str(out["status"]["pid"])]
+
+
+def test_pip_and_bundle_together_patch_once(pip_env, bundle_dir, tmp_path):
+    """Both installed and injected (force, so every release patches): one copy of the package runs (the bundle's,
+    first on sys.path), one hook, one patch per fix."""
+    out, log = import_m46(pip_env, pythonpath=str(bundle_dir), cwd=tmp_path, VLLM_MINICPM_HOTFIX="force")
+    pid = str(out["status"]["pid"])
+    assert Path(out["package"]).resolve().is_relative_to(bundle_dir.resolve())
+    assert out["activations_before_plugins"] == ["pth"]  # .pth first; sitecustomize found the finder armed
+    assert out["activations"] == ["pth", "plugin"]
+    assert out["qkv_patched"]
+    assert QKV_LINE.findall(log) == [pid]
+    if out["status"]["fixes"].get("processor_downsample_mode", {}).get("applied"):
+        assert PROCESSOR_LINE.findall(log) == [pid]
+    # Installed wrapt, not the bundle's
+    assert Path(out["wrapt"]).resolve().is_relative_to(site_packages().resolve())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The bundle command
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_bundle_layout_and_rebundle(tmp_path):
+    dest = tmp_path / "b"
+    manifest = bundle.write_bundle(dest)
+    assert (dest / "sitecustomize.py").read_text() == (REPO / "sitecustomize.py").read_text()
+    assert (dest / "vllm_minicpm_hotfix" / "_bootstrap.py").is_file()
+    assert not list(dest.rglob("__pycache__")) and not list(dest.rglob("*.so"))
+    assert (dest / _bootstrap.VENDOR_DIR / "wrapt" / "__init__.py").is_file()
+    assert (dest / _bootstrap.VENDOR_DIR / "wrapt" / "LICENSE").is_file()
+    assert json.loads((dest / bundle.MANIFEST).read_text()) == manifest
+    bundle.write_bundle(dest)  # an earlier bundle is replaced
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    assert bundle.main([str(other)]) == 1 and (other / "keep.txt").is_file()
+
+
+def test_bundle_from_a_pip_install(pip_env, tmp_path):
+    """``vllm-minicpm-hotfix bundle`` run from an installed wheel (no repository around) writes the same files."""
+    dest = tmp_path / "from-wheel"
+    proc = subprocess.run(
+        [str(pip_env), "-m", "vllm_minicpm_hotfix", "bundle", str(dest)],
+        cwd=tmp_path, env=clean_env(), capture_output=True, check=False, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / "sitecustomize.py").read_text() == (REPO / "sitecustomize.py").read_text()
+    assert (dest / "vllm_minicpm_hotfix" / "plugin.py").read_text() == (REPO / "vllm_minicpm_hotfix" / "plugin.py").read_text()
+    assert not (dest / "vllm_minicpm_hotfix" / "_sitecustomize.py.txt").exists()
