@@ -115,6 +115,22 @@ def _stock_between_tests(m46):
     assert not patched(), "this test left vLLM patched"
 
 
+#: Test modules that start many fresh interpreters or servers (activation routes, the CLI, hostile environments).
+#: scripts/test runs them on the releases in VLLM_MINICPM_HOTFIX_FULL_RELEASES (one broken, one correct) and
+#: deselects them (``-m "not heavy"``) elsewhere, so CI stays inside its time; every other test runs on every release.
+HEAVY_MODULES = {"test_activation", "test_cli", "test_reliability_environments"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "heavy: many fresh interpreters; run on a subset of releases by scripts/test")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in HEAVY_MODULES:
+            item.add_marker(pytest.mark.heavy)
+
+
 def pytest_report_header(config):
     try:
         import torch
