@@ -115,10 +115,11 @@ def _stock_between_tests(m46):
     assert not patched(), "this test left vLLM patched"
 
 
-#: Test modules that start many fresh interpreters or servers (activation routes, the CLI, hostile environments).
+#: Test modules that start many fresh interpreters or servers (activation routes, the CLI, hostile environments,
+#: bad checkpoints through vLLM's loader, tensor-parallel ranks).
 #: scripts/test runs them on the releases in VLLM_MINICPM_HOTFIX_FULL_RELEASES (one broken, one correct) and
 #: deselects them (``-m "not heavy"``) elsewhere, so CI stays inside its time; every other test runs on every release.
-HEAVY_MODULES = {"test_activation", "test_cli", "test_reliability_environments"}
+HEAVY_MODULES = {"test_activation", "test_cli", "test_reliability", "test_tensor_parallel"}
 
 
 def pytest_configure(config):

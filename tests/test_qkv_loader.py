@@ -129,7 +129,7 @@ def test_fused_next_to_split_is_a_duplicate(attn, ckpt):
 
 def test_unknown_name_lists_parameters(attn, ckpt):
     items = split_items(ckpt) + [("z_proj.weight", ckpt["q_proj.weight"])]
-    with pytest.raises(QKVLoadError, match=r"'z_proj\.weight'.*matches no parameter.*'qkv_proj\.weight'"):
+    with pytest.raises(QKVLoadError, match=r"'vit_merger\.self_attn\.z_proj\.weight'.*matches no parameter.*'qkv_proj\.weight'"):
         load_weights(attn, iter(items))
 
 

@@ -257,9 +257,12 @@ def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
             param = params.get(param_name)
             if param is None:
                 raise QKVLoadError(
-                    f"vit_merger: checkpoint tensor {prefix}{name!r} (shape {_shape(tensor)}) matches no parameter of "
+                    f"vit_merger: checkpoint tensor {prefix + name!r} (shape {_shape(tensor)}) matches no parameter of "
                     f"{type(self).__name__}; its parameters are {sorted(params)}"
                 )
+            if is_qkv and shard_id is not None and name.startswith(FUSED + "."):
+                # vLLM >= 0.30 renamed the checkpoint's q_proj/k_proj/v_proj before handing it over: say which.
+                name = f"{shard_id}_proj{name[len(FUSED):]} (renamed by vLLM to {name})"
             what = f"checkpoint tensor {prefix}{name} -> {prefix}{param_name}"
             if is_qkv:
                 what += f" (shard {shard_id!r})" if shard_id is not None else " (already fused)"
