@@ -143,6 +143,49 @@ def pytest_report_header(config):
         return [f"vLLM not importable: {exc}"]
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Activation environments shared by test_activation.py and test_reliability.py (built once per session: a wheel of
+# this repository, overlays of this environment with it pip-installed, a bundle). Helpers live in tests/e2e.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("activation")
+
+
+@pytest.fixture(scope="session")
+def wheel(work) -> Path:
+    from e2e import build_wheel
+
+    return build_wheel(work / "wheel")
+
+
+@pytest.fixture(scope="session")
+def pip_env(work, wheel) -> Path:
+    """An overlay of this environment with the wheel pip-installed (wrapt comes from the environment)."""
+    from e2e import overlay_env, pip_install
+
+    python = overlay_env(work / "pip-env", wrapt=True)
+    pip_install(python, str(wheel))
+    return python
+
+
+@pytest.fixture(scope="session")
+def bare_env(work) -> Path:
+    """An overlay of this environment without wrapt and without the package: a vLLM image as shipped."""
+    from e2e import overlay_env
+
+    return overlay_env(work / "bare-env", wrapt=False)
+
+
+@pytest.fixture(scope="session")
+def bundle_dir(work) -> Path:
+    from e2e import make_bundle
+
+    return make_bundle(work / "bundle")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """For scripts/test's summary: which vLLM / torch / transformers ran, and the decision's verdict there."""
     report = os.environ.get("VLLM_MINICPM_HOTFIX_REPORT")

@@ -23,9 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 from e2e import (
-    build_wheel,
     clean_env,
-    make_bundle,
     overlay_env,
     pip_install,
     run_python,
@@ -44,35 +42,6 @@ PROCESSOR_LINE = re.compile(r"image placeholder count \(downsample_mode\) PATCHE
 # --------------------------------------------------------------------------------------------------------------------
 # Environments (built once per module; cheap: a wheel, two venvs of symbolic links, a bundle)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("activation")
-
-
-@pytest.fixture(scope="module")
-def wheel(work) -> Path:
-    return build_wheel(work / "wheel")
-
-
-@pytest.fixture(scope="module")
-def pip_env(work, wheel) -> Path:
-    """An overlay of this environment with the wheel pip-installed (wrapt comes from the environment)."""
-    python = overlay_env(work / "pip-env", wrapt=True)
-    pip_install(python, str(wheel))
-    return python
-
-
-@pytest.fixture(scope="module")
-def bare_env(work) -> Path:
-    """An overlay of this environment without wrapt and without the package: a vLLM image as shipped."""
-    return overlay_env(work / "bare-env", wrapt=False)
-
-
-@pytest.fixture(scope="module")
-def bundle_dir(work) -> Path:
-    return make_bundle(work / "bundle")
 
 
 def started(python, *, pythonpath: str = "", cwd, **env: str) -> tuple[dict, str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TINY, hotfix
-from e2e import build_wheel, clean_env, make_bundle, overlay_env, pip_install, run_python, site_packages
+from e2e import clean_env, overlay_env, pip_install, run_python, site_packages
 from safetensors.torch import save_file
 from vllm_build import build_vllm_model, checkpoint_tensors, ensure_distributed, iter_checkpoint, make_vllm_config
 
@@ -719,33 +719,11 @@ def test_unrecognised_vllm_layout_real_interpreter(tmp_path, mode):
 
 
 @pytest.fixture(scope="module")
-def act(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("reliability-activation")
-
-
-@pytest.fixture(scope="module")
-def wheel(act) -> Path:
-    return build_wheel(act / "wheel")
-
-
-@pytest.fixture(scope="module")
-def pip_env(act, wheel) -> Path:
-    python = overlay_env(act / "pip-env", wrapt=True)
-    pip_install(python, str(wheel))
-    return python
-
-
-@pytest.fixture(scope="module")
-def pip_env_no_wrapt(act, wheel) -> Path:
+def pip_env_no_wrapt(work, wheel) -> Path:
     """The wheel installed with --no-deps into an environment without wrapt (a broken install)."""
-    python = overlay_env(act / "pip-env-no-wrapt", wrapt=False)
+    python = overlay_env(work / "pip-env-no-wrapt", wrapt=False)
     pip_install(python, str(wheel))
     return python
-
-
-@pytest.fixture(scope="module")
-def bundle_dir(act) -> Path:
-    return make_bundle(act / "bundle")
 
 
 ARMED = """
@@ -785,13 +763,10 @@ def test_pip_route_without_wrapt_says_so_and_vllm_still_imports(pip_env_no_wrapt
                      r"ModuleNotFoundError: No module named 'wrapt'", lines[0]), lines[0]
 
 
-def test_bundle_route_without_wrapt_uses_its_copy(bundle_dir, act, tmp_path):
+def test_bundle_route_without_wrapt_uses_its_copy(bundle_dir, bare_env, tmp_path):
     """bundle route, no wrapt in the image: the bundle's vendored copy is used (import vllm only, ~15 s; the full
     model-module variant is tests/test_activation.py::test_bundle_without_wrapt_activates_with_its_own_wrapt)."""
-    bare = act / "bare-env" / "bin" / "python"
-    if not bare.exists():
-        bare = overlay_env(act / "bare-env", wrapt=False)
-    out, _ = run_python(bare, IMPORT_VLLM_ONLY, env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
+    out, _ = run_python(bare_env, IMPORT_VLLM_ONLY, env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
     assert out["status"]["hook_installed"] is True and out["activations"] == ["sitecustomize"]
     assert Path(out["wrapt"]).resolve().is_relative_to((bundle_dir / "_vllm_minicpm_hotfix_vendor").resolve())
 

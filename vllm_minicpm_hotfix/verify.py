@@ -34,7 +34,6 @@ offline). No traceback unless ``--debug``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib
 import json
@@ -389,18 +388,6 @@ def _ensure_distributed(device: str) -> None:
     _distributed.add(device)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: Any) -> Iterator[None]:
-    import torch
-
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 @dataclasses.dataclass
 class Built:
     model: Any
@@ -471,6 +458,8 @@ def _build(ckpt: Checkpoint, module: Any, *, device: str, dtype: str, encoder_on
             model_cls, _ = get_model_architecture(model_config)
         except Exception:  # an older/newer layout of vLLM's loader utils: the class this module defines
             model_cls = getattr(module, ARCHITECTURE)
+        from .vllm_cpu import _default_dtype
+
         with _default_dtype(torch_dtype), torch.device(device):
             model = model_cls(vllm_config=vllm_config)
     if encoder_only and not getattr(model, "_language_model_names", None):
