@@ -1,0 +1,546 @@
+#!/usr/bin/env python
+"""The hotfix's cost, measured: interpreter start-up, import of vLLM's model module, full-size weight loading.
+
+Run through ``benchmarks/run`` (it builds or reuses the vLLM environments with scripts/cpu-env and starts this file
+with the vLLM 0.28.0 environment's interpreter); see docs/benchmarks.md for the table and how to read it.
+
+    benchmarks/run                                   # everything, default repetitions
+    benchmarks/run --startup-pairs 20 --import-pairs 1 --breakdown-runs 1 --load-pairs 1   # a quick smoke run
+    benchmarks/run --only startup,import             # a subset
+
+Every figure compares A (the same interpreter and environment without the hotfix) with B (with it), measured in
+fresh processes in alternating order (AB, BA, AB, ...), as medians with their ratio B/A.
+
+1. start-up: ``python -c pass`` -- pip-installed (``.pth``) and bundle on ``PYTHONPATH`` (with its ``.pyc`` files,
+   and, for information, a read-only bundle that never gets them).
+2. import: ``import vllm.model_executor.models.minicpmv4_6`` with ``VLLM_TARGET_DEVICE=cpu`` on vLLM 0.28.0, where
+   the hotfix patches (auto), pip-installed against not installed; plus an instrumented breakdown of the added time.
+3. load: a full-size synthetic checkpoint (benchmarks/make_full_checkpoint.py) loaded through vLLM's own
+   ``load_weights`` on vLLM 0.32.0 (benchmarks/load_one.py): auto (not patched there) against force-patched.
+
+The environments with the package are throwaway overlays of the shared vLLM environment, made with the test suite's
+helpers (tests/e2e/__init__.py): the wheel built from this tree and installed with ``uv pip install --no-deps``, and a
+bundle written by ``vllm-minicpm-hotfix bundle``. Nothing is installed into the shared environments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(HERE), str(REPO / "tests")]
+
+import common
+from common import compare, interleave, log, median, spawn
+
+M46 = "vllm.model_executor.models.minicpmv4_6"
+PATCH_LINE = "vit_merger q/k/v loader PATCHED in pid"
+TARGETS = {"startup": 1.03, "import": 1.01, "load_time": 1.02, "load_rss": 1.01}
+SECTIONS = ("startup", "import", "load")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Environments
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of every measured child: nothing that activates or configures the hotfix, no PYTHONPATH,
+    ``PYTHONDONTWRITEBYTECODE=1`` (no child writes ``.pyc`` files into the shared environment; the package's own are
+    compiled once beforehand, as ``pip install`` does), ``VLLM_TARGET_DEVICE=cpu``."""
+    from e2e import clean_env
+
+    env = clean_env(PYTHONDONTWRITEBYTECODE="1", VLLM_TARGET_DEVICE="cpu")
+    for k in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONPROFILEIMPORTTIME", "PYTHONINSPECT"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def compileall(path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(path)], check=True, timeout=120,
+                   stdout=subprocess.DEVNULL)
+
+
+def make_envs(work: Path) -> dict[str, Path]:
+    """base: an overlay of this environment without the package; pip: the same with the wheel installed (and its
+    .pyc compiled, as pip does by default -- uv does not); bundle: a bundle with .pyc; bundle_nopyc: one without."""
+    from e2e import build_wheel, make_bundle, overlay_env, pip_install, site_packages
+
+    t0 = time.perf_counter()
+    wheel = build_wheel(work / "wheel")
+    base = overlay_env(work / "base", wrapt=True)
+    pip = overlay_env(work / "pip", wrapt=True)
+    pip_install(pip, str(wheel))
+    installed = site_packages(pip) / "vllm_minicpm_hotfix"
+    if installed.is_symlink() or not (site_packages(pip) / "vllm-minicpm-hotfix.pth").is_file():
+        raise RuntimeError(f"the wheel did not install the package and its .pth into {site_packages(pip)}")
+    compileall(installed)
+    bundle = make_bundle(work / "bundle")
+    compileall(bundle / "sitecustomize.py")
+    compileall(bundle / "vllm_minicpm_hotfix")
+    bundle_nopyc = make_bundle(work / "bundle-nopyc")
+    log(f"environments ready in {time.perf_counter() - t0:.1f} s under {work}")
+    return {"base": base, "pip": pip, "bundle": bundle, "bundle_nopyc": bundle_nopyc}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. Interpreter start-up
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def bench_startup(envs: dict[str, Path], pairs: int, warmup: int) -> list[dict]:
+    base, pip = str(envs["base"]), str(envs["pip"])
+    plain = child_env()
+    cases = [
+        ("startup_pip", "start-up `python -c pass`, pip-installed (.pth)", (base, plain), (pip, plain), True),
+        ("startup_bundle", "start-up `python -c pass`, bundle on PYTHONPATH", (base, plain),
+         (base, child_env(PYTHONPATH=str(envs["bundle"]))), True),
+        ("startup_bundle_nopyc", "start-up, bundle on PYTHONPATH, read-only (no .pyc)", (base, plain),
+         (base, child_env(PYTHONPATH=str(envs["bundle_nopyc"]))), False),
+    ]
+    rows = []
+    for key, title, (py_a, env_a), (py_b, env_b), gated in cases:
+        def run(py, env):
+            r = spawn([py, "-c", "pass"], env, timeout=30)
+            if r.rc != 0:
+                raise RuntimeError(f"{py} -c pass exited {r.rc}")
+            return r
+
+        log(f"{title}: {pairs} pairs")
+        a, b = interleave(pairs, lambda py=py_a, env=env_a: run(py, env), lambda py=py_b, env=env_b: run(py, env),
+                          label=key, warmup=warmup,
+                          progress_every=max(pairs // 4, 1) if pairs >= 40 else 0)
+        wall = compare([r.wall_s * 1e3 for r in a], [r.wall_s * 1e3 for r in b])
+        cpu = compare([r.cpu_s * 1e3 for r in a], [r.cpu_s * 1e3 for r in b])
+        n_it = min(max(pairs // 4, 3), 50)
+        detail = {"A": importtime_at_startup(py_a, env_a, n_it), "B": importtime_at_startup(py_b, env_b, n_it)}
+        rows.append({"key": key, "title": title, "unit": "ms", "wall": wall, "cpu": cpu,
+                     "target": TARGETS["startup"] if gated else None, "importtime_ms": detail})
+    return rows
+
+
+STARTUP_MODULES = ("vllm_minicpm_hotfix._bootstrap", "sitecustomize", "site")
+
+
+def importtime_at_startup(python: str, env: dict[str, str], runs: int) -> dict:
+    """Median ``-X importtime`` cumulative times (ms) at start-up of the hotfix's bootstrap (package included),
+    ``sitecustomize`` (ours chains to the environment's own) and ``site`` (everything start-up imports)."""
+    found: dict[str, list[float]] = {m: [] for m in STARTUP_MODULES}
+    for _ in range(runs):
+        out = subprocess.run([python, "-X", "importtime", "-c", "pass"], env=env, capture_output=True, text=True,
+                             timeout=30, check=True)
+        seen = dict.fromkeys(STARTUP_MODULES, 0.0)
+        for ln in out.stderr.splitlines():
+            if ln.startswith("import time:") and "|" in ln:
+                parts = [x.strip() for x in ln.split(":", 1)[1].split("|")]
+                if parts[2] in seen and parts[1].isdigit():
+                    seen[parts[2]] = int(parts[1]) / 1e3
+        for m, v in seen.items():
+            found[m].append(v)
+    return {m: median(v) for m, v in found.items()}
+
+
+def wrapt_import_alone(python: str, runs: int) -> dict:
+    """``import wrapt`` in a fresh interpreter (``-X importtime`` cumulative, in ms), median of ``runs``."""
+    tops, counts = [], []
+    for _ in range(runs):
+        out = subprocess.run([python, "-X", "importtime", "-c", "import wrapt"], env=child_env(),
+                             capture_output=True, text=True, timeout=60, check=True)
+        lines = [ln for ln in out.stderr.splitlines() if ln.startswith("import time:") and "|" in ln]
+        for ln in lines:
+            parts = [p.strip() for p in ln.split(":", 1)[1].split("|")]
+            if parts[2] == "wrapt":
+                tops.append(int(parts[1]) / 1e3)
+        counts.append(len(lines))
+    return {"cumulative_ms": median(tops), "modules_imported": median(counts)}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. Import of the model module
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def bench_import(envs: dict[str, Path], pairs: int, breakdown_runs: int, work: Path) -> tuple[dict, dict]:
+    base, pip = str(envs["base"]), str(envs["pip"])
+    env = child_env()
+    out_a, out_b = str(work / "import-a.out"), str(work / "import-b.out")
+    code = f"import {M46}"
+
+    def run(py, out, patched):
+        r = spawn([py, "-c", code], env, timeout=900, stdout_path=out, stderr_path=out)
+        if r.rc != 0:
+            raise RuntimeError(f"{py} -c {code!r} exited {r.rc}:\n{r.stderr[-3000:]}")
+        if (PATCH_LINE in r.stderr) is not patched:
+            raise RuntimeError(f"expected patched={patched} in {py}, log:\n{r.stderr[-3000:]}")
+        return r
+
+    log(f"import {M46}: {pairs} pairs (about {pairs * 2 * 35 // 60 + 1} min on a quiet 2-core machine)")
+    a, b = interleave(pairs, lambda: run(base, out_a, False), lambda: run(pip, out_b, True), label="import",
+                      progress_every=1)
+    row = {"key": "import", "title": f"`import {M46}`, pip-installed, vLLM 0.28.0 (patches)", "unit": "s",
+           "wall": compare([r.wall_s for r in a], [r.wall_s for r in b]),
+           "cpu": compare([r.cpu_s for r in a], [r.cpu_s for r in b]), "target": TARGETS["import"]}
+
+    breakdown: dict = {"runs": breakdown_runs}
+    if breakdown_runs:
+        log(f"import breakdown: 1 run without, {breakdown_runs} instrumented with the hotfix")
+        script = str(HERE / "import_breakdown.py")
+
+        def instrumented(py):
+            out = subprocess.run([py, script], env=env, capture_output=True, text=True, timeout=900, cwd=work,
+                                 check=False)
+            if out.returncode != 0:
+                raise RuntimeError(f"import_breakdown.py failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+            return json.loads(out.stdout.strip().splitlines()[-1])
+
+        plain = instrumented(base)
+        runs = [instrumented(pip) for _ in range(breakdown_runs)]
+        keys = sorted({k for r in runs for k in r["timings_s"]})
+        breakdown["pieces_ms"] = {k: median([r["timings_s"].get(k, 0.0) * 1e3 for r in runs]) for k in keys}
+        breakdown["fixes"] = runs[0]["fixes"]
+        breakdown["wrapt_finder_calls"] = median([r["counts"].get("wrapt_finder_calls", 0) for r in runs])
+        wrapt_mods = runs[0]["wrapt_modules"]
+        vllm_mods = set(plain["modules"])
+        breakdown["wrapt_modules"] = len(wrapt_mods)
+        breakdown["wrapt_modules_vllm_imports_anyway"] = sum(m in vllm_mods for m in wrapt_mods)
+        breakdown["wrapt_modules_only_for_hotfix"] = sorted(m for m in wrapt_mods if m not in vllm_mods)
+        added = sorted(set(runs[0]["modules"]) - vllm_mods)
+        breakdown["modules_added"] = added
+        breakdown["wrapt_alone"] = wrapt_import_alone(base, max(5, breakdown_runs))
+        # Net import cost: -X importtime self times of the modules only the hotfix brings in.
+        out = subprocess.run([pip, "-X", "importtime", "-c", code], env=env, capture_output=True, text=True,
+                             timeout=900, cwd=work, check=False)
+        selfs: dict[str, float] = {}
+        for ln in out.stderr.splitlines():
+            if ln.startswith("import time:") and "|" in ln:
+                parts = [x.strip() for x in ln.split(":", 1)[1].split("|")]
+                if parts[0].isdigit():
+                    selfs[parts[2]] = int(parts[0]) / 1e3
+        breakdown["added_modules_self_ms"] = sum(selfs.get(m, 0.0) for m in added)
+        breakdown["added_modules_top"] = sorted(((m, selfs.get(m, 0.0)) for m in added), key=lambda x: -x[1])[:6]
+    return row, breakdown
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. Full-size load
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def ensure_checkpoint(py_load: str) -> Path:
+    log("full-size checkpoint: reusing the cached one or writing it (~1-2 min, ~2.6 GB)")
+    out = subprocess.run([py_load, str(HERE / "make_full_checkpoint.py")], env=child_env(), capture_output=True,
+                         text=True, timeout=1800, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"make_full_checkpoint.py failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    if out.stderr.strip():
+        log(out.stderr.strip().splitlines()[-1])
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def warm_page_cache(ckpt: Path) -> None:
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+LOAD_METRICS = (  # (key, title, unit, target, key of the CPU-time figure)
+    ("load_s", "full-size load time (`load_weights`), vLLM 0.32.0", "s", "load_time", "load_cpu_s"),
+    ("ru_maxrss_mib", "peak RSS of the process (ru_maxrss)", "MiB", "load_rss", None),
+    ("load_peak_increase_mib", "peak RSS increase during the load (VmHWM - RSS before)", "MiB", None, None),
+    ("anon_peak_increase_mib", "anonymous-memory peak increase during the load (sampled)", "MiB", None, None),
+    ("rss_increase_mib", "RSS kept after the load (increase)", "MiB", None, None),
+)
+
+
+def bench_load(py_load: str, ckpt: Path, pairs: int, warmup: int, inproc_loads: int, work: Path) -> list[dict]:
+    script = str(HERE / "load_one.py")
+    results: dict[str, list[dict]] = {"A": [], "B": []}
+
+    def run(mode, which):
+        out, err = str(work / f"load-{which}.out"), str(work / f"load-{which}.err")
+        r = spawn([py_load, script, str(ckpt)], child_env(VLLM_MINICPM_HOTFIX=mode), timeout=1200,
+                  stdout_path=out, stderr_path=err)
+        if r.rc != 0:
+            raise RuntimeError(f"load_one.py ({mode}) exited {r.rc}:\n{r.stderr[-4000:]}")
+        res = json.loads(Path(out).read_text().strip().splitlines()[-1])
+        if res["patched"] is not (mode == "force") or not res["exact"]:
+            raise RuntimeError(f"load_one.py ({mode}): patched={res['patched']} exact={res['exact']}")
+        res["process_wall_s"] = r.wall_s
+        return res
+
+    warm_page_cache(ckpt)
+    log(f"full-size load on vLLM 0.32.0: {pairs} pairs (about {pairs * 2 * 50 // 60 + 1} min on a quiet machine)")
+    a, b = interleave(pairs, lambda: run("auto", "A"), lambda: run("force", "B"), label="load", warmup=warmup,
+                      progress_every=1)
+    rows = []
+    for key, title, unit, target, cpu_key in LOAD_METRICS:
+        xs, ys = [r.get(key) for r in a], [r.get(key) for r in b]
+        if any(v is None for v in xs + ys):
+            continue
+        cpu = compare([r[cpu_key] for r in a], [r[cpu_key] for r in b]) if cpu_key else None
+        rows.append({"key": f"load_{key}", "title": title, "unit": unit, "wall": compare(xs, ys), "cpu": cpu,
+                     "target": TARGETS[target] if target else None})
+    results["A"], results["B"] = a, b
+    if inproc_loads:
+        log(f"full-size load, one process: {inproc_loads} warm loads, stock and patched alternating")
+        out = subprocess.run([py_load, str(HERE / "load_inproc.py"), str(ckpt), str(inproc_loads)],
+                             env=child_env(), capture_output=True, text=True, timeout=600 + 60 * inproc_loads,
+                             check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"load_inproc.py failed:\n{out.stderr[-4000:]}")
+        loads = json.loads(out.stdout.strip().splitlines()[-1])["loads"]
+        xs = [x for x in loads if not x["patched"]]
+        ys = [x for x in loads if x["patched"]]
+        n = min(len(xs), len(ys))
+        xs, ys = xs[:n], ys[:n]
+        rows.append({"key": "load_inproc", "unit": "s", "target": None,
+                     "title": "warm reloads in one process, stock and patched alternating (load time)",
+                     "wall": compare([x["load_s"] for x in xs], [y["load_s"] for y in ys]),
+                     "cpu": compare([x["load_cpu_s"] for x in xs], [y["load_cpu_s"] for y in ys])})
+        results["inproc"] = loads
+    rows.append({"key": "load_raw", "raw": results})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def fmt(v: float, unit: str) -> str:
+    if unit == "ms":
+        return f"{v:.1f} ms"
+    if unit == "s":
+        return f"{v:.2f} s"
+    return f"{v:.0f} {unit}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| # | measurement | N | without (A) | with hotfix (B) | B - A | ratio B/A [95% CI] | CPU-time ratio | "
+            "target | |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "wall" not in r:
+            continue
+        w, unit = r["wall"], r["unit"]
+        lo, hi = w["ratio_ci95"]
+        ci = "" if math.isnan(lo) else f" [{lo:.3f}, {hi:.3f}]"
+        cpu = f"{r['cpu']['ratio']:.3f}" if r.get("cpu") else "-"
+        target = f"<= {r['target']:.2f}" if r["target"] else "(info)"
+        verdict = "" if not r["target"] else ("ok" if w["ratio"] <= r["target"] else "MISSED")
+        sign = "+" if w["delta"] >= 0 else "-"
+        lines.append(
+            f"| {r['section']} | {r['title']} | {w['n']} | {fmt(w['a_median'], unit)} | {fmt(w['b_median'], unit)} | "
+            f"{sign}{fmt(abs(w['delta']), unit)} | {w['ratio']:.3f}{ci} | {cpu} | {target} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def startup_text(rows: list[dict]) -> str:
+    rows = [r for r in rows if r.get("importtime_ms")]
+    if not rows:
+        return ""
+    out = ["Start-up detail (`-X importtime -c pass`, median cumulative ms; A's `sitecustomize` is the environment's "
+           "own, or the failed lookup where it has none; the bundle's includes chaining to it):", "",
+           "| case | hotfix bootstrap (+ package) B | sitecustomize A / B | all of `site` A / B |", "|---|---|---|---|"]
+    for r in rows:
+        a, b = r["importtime_ms"]["A"], r["importtime_ms"]["B"]
+        out.append(f"| {r['title']} | {b['vllm_minicpm_hotfix._bootstrap']:.2f} | "
+                   f"{a['sitecustomize']:.2f} / {b['sitecustomize']:.2f} | {a['site']:.2f} / {b['site']:.2f} |")
+    return "\n".join(out)
+
+
+def load_text(rows: list[dict]) -> str:
+    raw = next((r["raw"] for r in rows if r.get("key") == "load_raw"), None)
+    if not raw or not raw["B"]:
+        return ""
+    spent = [r.get("hotfix_code_s") or {} for r in raw["B"]]
+    attn = median([x.get("attn_load_weights", 0.0) * 1e3 for x in spent])
+    copies = median([x.get("weight_loaders", 0.0) * 1e3 for x in spent])
+    own = median([(x.get("attn_load_weights", 0.0) - x.get("weight_loaders", 0.0)) * 1e3 for x in spent])
+    own_cpu = median([(x.get("attn_load_weights_cpu", 0.0) - x.get("weight_loaders_cpu", 0.0)) * 1e3 for x in spent])
+    check = median([x.get("completeness_check", 0.0) * 1e3 for x in spent])
+    check_cpu = median([x.get("completeness_check_cpu", 0.0) * 1e3 for x in spent])
+    release = median([x.get("release_last_tensor", 0.0) * 1e3 for x in spent])
+    a, b = raw["A"][0], raw["B"][0]
+    return (
+        f"Load detail: {a['n_loaded']} parameters loaded in both. In the patched runs the self-attention's "
+        f"`load_weights` took {attn:.1f} ms, of which {copies:.1f} ms in vLLM's own weight loaders (the module's "
+        f"tensor copies, made by stock vLLM too); the hotfix's own code: {own:.1f} ms there + {check:.1f} ms "
+        f"(completeness check) per load, CPU time of the loading thread {own_cpu:.1f} + {check_cpu:.1f} ms "
+        f"(medians; wall time includes waiting for a CPU on a busy machine). Not charged to the hotfix: releasing "
+        f"the checkpoint's last tensor, which unmaps the whole file ({release:.0f} ms; stock vLLM does it as well). "
+        f"The peak RSS during the load includes the checkpoint's pages "
+        f"mapped by safetensors (file-backed peak +{median([r['file_peak_increase_mib'] for r in raw['A']]):.0f} / "
+        f"+{median([r['file_peak_increase_mib'] for r in raw['B']]):.0f} MiB, A / B); anonymous memory grows by "
+        f"the model's parameters only. Model construction before the load: {median([r['build_s'] for r in raw['A']]):.1f} s / "
+        f"{median([r['build_s'] for r in raw['B']]):.1f} s (A / B, includes `import vllm`); both loads checked "
+        f"bit-exact (vit_merger qkv_proj == cat(q, k, v)); B patched ({b['verdict']} release, force), A not."
+    )
+
+
+def breakdown_text(bd: dict, import_row: dict | None) -> str:
+    if not bd or not bd.get("runs"):
+        return ""
+    p = bd["pieces_ms"]
+    names = [
+        ("install_now", "finder fires on `import vllm`: install_now total"),
+        ("import_wrapt", "  import wrapt"),
+        ("import_hook_modules", "  import hook, patching, decision, qkv_loader, processor_fix, record"),
+        ("register", "  register the post-import hook"),
+        ("wrapt_finder", "wrapt's import finder, asked about every later import ({calls:.0f} calls; timer included)"),
+        ("on_import", "module imported: on_import total"),
+        ("probe_qkv", "  q/k/v probe (decision.probe_qkv_loading)"),
+        ("patch_qkv", "  q/k/v patch (patching._apply_qkv_fix)"),
+        ("processor_fix", "  processor check/patch (processor_fix.apply_processor_fix)"),
+    ]
+    fixes = ", ".join(
+        f"{k} {v['verdict']}, {'applied' if v['applied'] else 'not applied'}" for k, v in bd["fixes"].items()
+    )
+    out = [f"Import breakdown (vLLM 0.28.0, pip-installed, median of {bd['runs']} instrumented run(s); "
+           f"fixes: {fixes}):", ""]
+    out += ["| piece | ms |", "|---|---|"]
+    for key, title in names:
+        if key in p:
+            out.append(f"| {title.format(calls=bd.get('wrapt_finder_calls', 0))} | {p[key]:.1f} |")
+    attributed = p.get("install_now", 0.0) + p.get("on_import", 0.0) + p.get("wrapt_finder", 0.0)
+    out.append(f"| attributed in all | {attributed:.1f} |")
+    if "added_modules_self_ms" in bd:
+        top = ", ".join(f"{m} {v:.1f}" for m, v in bd["added_modules_top"])
+        out.append(f"| net: `-X importtime` self time of the {len(bd['modules_added'])} modules only the hotfix "
+                   f"imports (largest: {top}) | {bd['added_modules_self_ms']:.1f} |")
+    if import_row is not None:
+        delta = import_row["wall"]["delta"] * 1e3
+        out.append(f"| measured B - A (medians of the timed runs above) | {delta:+.0f} |")
+    wa = bd["wrapt_alone"]
+    out += ["", f"`import wrapt` alone in a fresh interpreter (`-X importtime`, cumulative): {wa['cumulative_ms']:.1f} ms, "
+            f"{wa['modules_imported']:.0f} modules. Inside the vLLM import, {bd['wrapt_modules_vllm_imports_anyway']} of "
+            f"the {bd['wrapt_modules']} modules wrapt pulls in are ones vLLM imports anyway (their cost only moves "
+            f"earlier); imported only because of the hotfix: {len(bd['modules_added'])} modules "
+            f"({', '.join(bd['modules_added'][:12])}{', ...' if len(bd['modules_added']) > 12 else ''})."]
+    return "\n".join(out)
+
+
+def facts_text(facts: dict) -> str:
+    m = facts["machine"]
+    lines = [f"Machine: {m['cpu_count']} CPUs ({m['cpus_usable']} usable, {m['cpu_model']}), {m['mem_gib']} GiB, "
+             f"Linux {m['kernel']}; load average {m['loadavg_start']} at start, {m.get('loadavg_end')} at end; "
+             f"{m['date']}; run took {m.get('elapsed_min', '?')} min."]
+    for name, e in facts["envs"].items():
+        lines.append(f"{name}: Python {e['python']}, torch {e['torch']}, vLLM {e['vllm']}, transformers "
+                     f"{e['transformers']}, wrapt {e['wrapt']}, safetensors {e['safetensors']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--py-load", required=True, help="interpreter of the vLLM 0.32.0 environment (load benchmark)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated subset of startup,import,load")
+    ap.add_argument("--startup-pairs", type=int, default=500, help="A/B pairs per start-up comparison (default 500)")
+    ap.add_argument("--startup-warmup", type=int, default=5, help="discarded start-up runs of each first (default 5)")
+    ap.add_argument("--import-pairs", type=int, default=10, help="A/B pairs of the model-module import (default 10)")
+    ap.add_argument("--breakdown-runs", type=int, default=3, help="instrumented import runs (default 3; 0: none)")
+    ap.add_argument("--load-pairs", type=int, default=5, help="A/B pairs of the full-size load (default 5)")
+    ap.add_argument("--load-warmup", type=int, default=0, help="discarded load pairs first (default 0)")
+    ap.add_argument("--inproc-loads", type=int, default=20,
+                    help="warm reloads in one process, stock and patched alternating (default 20; 0: skip)")
+    ap.add_argument("--json", type=Path, help="also write every figure, raw runs included, to this file")
+    ap.add_argument("--remove-checkpoint", action="store_true",
+                    help="delete the cached full-size checkpoint (~2.6 GB) at the end")
+    ap.add_argument("--keep-work", action="store_true", help="keep the throwaway environments (printed path)")
+    args = ap.parse_args(argv)
+    if args.json:
+        args.json = args.json.resolve()  # the run changes into a work folder
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown section(s) {sorted(unknown)}; choose from {','.join(SECTIONS)}")
+
+    t_start = time.perf_counter()
+    facts = {"machine": common.machine_facts(), "envs": {}}
+    facts["envs"]["vLLM 0.28.0 environment (start-up, import)"] = common.env_facts(sys.executable)
+    if "load" in only:
+        facts["envs"]["vLLM 0.32.0 environment (load)"] = common.env_facts(args.py_load)
+    options = {k: v for k, v in vars(args).items() if k not in ("json",)}
+    log(f"options: {options}")
+
+    work = Path(tempfile.mkdtemp(prefix="vllm-minicpm-hotfix-bench."))
+    os.chdir(work)  # children start in a neutral folder (a -c child has the cwd on sys.path)
+    rows: list[dict] = []
+    breakdown: dict = {}
+    import_row = None
+    ckpt = None
+    failed: list[str] = []
+    try:
+        envs = make_envs(work) if ("startup" in only or "import" in only) else {}
+        if "startup" in only:
+            try:
+                for r in bench_startup(envs, args.startup_pairs, args.startup_warmup):
+                    rows.append({**r, "section": 1})
+            except Exception as exc:  # noqa: BLE001 - report it, go on with the other sections
+                failed.append(f"startup: {type(exc).__name__}: {exc}")
+        if "import" in only:
+            try:
+                import_row, breakdown = bench_import(envs, args.import_pairs, args.breakdown_runs, work)
+                rows.append({**import_row, "section": 2})
+            except Exception as exc:  # noqa: BLE001
+                failed.append(f"import: {type(exc).__name__}: {exc}")
+        if "load" in only:
+            try:
+                ckpt = ensure_checkpoint(args.py_load)
+                for r in bench_load(args.py_load, ckpt, args.load_pairs, args.load_warmup, args.inproc_loads, work):
+                    rows.append({**r, "section": 3})
+            except Exception as exc:  # noqa: BLE001
+                failed.append(f"load: {type(exc).__name__}: {exc}")
+    finally:
+        if args.keep_work:
+            log(f"kept {work}")
+        else:
+            os.chdir("/")
+            shutil.rmtree(work, ignore_errors=True)
+        if args.remove_checkpoint and ckpt is not None:
+            shutil.rmtree(ckpt, ignore_errors=True)
+            log(f"removed {ckpt}")
+
+    facts["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    facts["machine"]["elapsed_min"] = round((time.perf_counter() - t_start) / 60, 1)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"facts": facts, "options": options, "rows": rows,
+                                         "import_breakdown": breakdown}, indent=1, default=str))
+        log(f"wrote {args.json}")
+    print()
+    print(facts_text(facts))
+    print()
+    print(table(rows))
+    for make in (lambda: startup_text(rows), lambda: breakdown_text(breakdown, import_row), lambda: load_text(rows)):
+        try:
+            text = make()
+        except Exception as exc:  # noqa: BLE001 - a detail paragraph must not cost the table
+            text = f"(detail not printed: {type(exc).__name__}: {exc})"
+        if text:
+            print()
+            print(text)
+    gated = [r for r in rows if r.get("target") and "wall" in r]
+    missed = [r["key"] for r in gated if r["wall"]["ratio"] > r["target"]]
+    if missed:
+        log(f"targets missed: {', '.join(missed)}")
+    for f in failed:
+        log(f"FAILED {f}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

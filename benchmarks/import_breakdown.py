@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Where the hotfix's import-time cost goes: one instrumented ``import vllm.model_executor.models.minicpmv4_6``.
+
+Run by benchmarks/bench.py in a fresh interpreter of an environment with the package pip-installed (its ``.pth``
+has armed the finder that waits for ``import vllm``), or of one without it (then it only times the import and lists
+the modules, for comparison). Prints one JSON line.
+
+The package is not edited: the functions the activation path looks up at call time are wrapped here with
+``perf_counter`` timers before vLLM is imported --
+
+* ``_bootstrap.install_now`` (the finder calls it when ``import vllm`` starts), split into ``import wrapt``, importing
+  the hook's modules (hook, patching, decision, qkv_loader, processor_fix, record), and registering the hook;
+* wrapt's ``ImportHookFinder.find_spec``, asked about every import after the hook is registered;
+* ``hook.on_import`` (wrapt calls it when vLLM's model module has been imported), and inside it
+  ``decision.probe_qkv_loading`` (the probe), ``patching._apply_qkv_fix`` (the q/k/v patch) and
+  ``processor_fix.apply_processor_fix`` (the processor check/patch).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+T_START = time.perf_counter()
+TARGET = "vllm.model_executor.models.minicpmv4_6"
+timings: dict[str, float] = {}
+counts: dict[str, int] = {}
+modules_before_wrapt: set[str] = set()
+wrapt_modules: list[str] = []
+
+
+def timed(module, name: str, key: str) -> None:
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(module, name, wrapper)
+
+
+def count_finder_calls(wrapt) -> None:
+    """Time wrapt's ``ImportHookFinder.find_spec``, which sits first on ``sys.meta_path`` once the hook is registered
+    and so is asked about every later import (an upper bound: the timer's own cost is included)."""
+    finder = getattr(getattr(wrapt, "importer", None), "ImportHookFinder", None)
+    if finder is None:
+        return
+    original = finder.find_spec
+
+    def find_spec(self, fullname, path=None, target=None):
+        t0 = time.perf_counter()
+        try:
+            return original(self, fullname, path, target)
+        finally:
+            timings["wrapt_finder"] = timings.get("wrapt_finder", 0.0) + time.perf_counter() - t0
+            counts["wrapt_finder_calls"] = counts.get("wrapt_finder_calls", 0) + 1
+
+    finder.find_spec = find_spec
+
+
+def instrument() -> bool:
+    boot = sys.modules.get("vllm_minicpm_hotfix._bootstrap")
+    if boot is None:
+        return False
+    original = boot.install_now
+
+    def install_now(source="explicit"):
+        global modules_before_wrapt
+        t0 = time.perf_counter()
+        modules_before_wrapt = set(sys.modules)
+        import wrapt  # noqa: F401 - what install_now imports first (via the hook module)
+
+        wrapt_modules.extend(sorted(set(sys.modules) - modules_before_wrapt))
+        t1 = time.perf_counter()
+        count_finder_calls(wrapt)
+        from vllm_minicpm_hotfix import decision, hook, patching, processor_fix
+
+        t2 = time.perf_counter()
+        timed(hook, "on_import", "on_import")
+        timed(decision, "probe_qkv_loading", "probe_qkv")
+        timed(patching, "_apply_qkv_fix", "patch_qkv")
+        timed(processor_fix, "apply_processor_fix", "processor_fix")
+        result = original(source)
+        t3 = time.perf_counter()
+        timings.update(import_wrapt=t1 - t0, import_hook_modules=t2 - t1, register=t3 - t2, install_now=t3 - t0)
+        return result
+
+    boot.install_now = install_now
+    return True
+
+
+def main() -> int:
+    armed = instrument()
+    t0 = time.perf_counter()
+    __import__(TARGET)
+    t1 = time.perf_counter()
+    status = {}
+    if armed:
+        import vllm_minicpm_hotfix
+
+        status = vllm_minicpm_hotfix.status()
+    print(json.dumps({
+        "armed": armed,
+        "import_s": t1 - t0,
+        "since_start_s": t1 - T_START,
+        "timings_s": timings,
+        "counts": counts,
+        "fixes": {k: {"verdict": v.get("verdict"), "applied": v.get("applied")} for k, v in status.get("fixes", {}).items()},
+        "wrapt_modules": wrapt_modules,
+        "modules": sorted(sys.modules),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
