@@ -7,8 +7,9 @@ pure-Python wrapt next to it, for images that have no wrapt). See docs/activatio
 
 At start-up it does two things and imports nothing beyond what the interpreter has already loaded:
 
-1. ``vllm_minicpm_hotfix._bootstrap.activate("sitecustomize")``: a finder that waits for ``import vllm`` and only
-   then imports wrapt and registers the post-import hook (``VLLM_MINICPM_HOTFIX=off``: nothing at all).
+1. ``_vllm_minicpm_hotfix_arm.activate("sitecustomize")`` (the small start-up module next to this file): a finder
+   that waits for ``import vllm`` and only then imports the package and wrapt and registers the post-import hook
+   (``VLLM_MINICPM_HOTFIX=off``: nothing at all).
 2. Chains to the ``sitecustomize`` module the interpreter would have run without us -- the next one on
    ``sys.path`` after this folder (Debian and Ubuntu Pythons ship one; so do some images) -- so nothing the image
    had is lost. The module it ran is kept as ``CHAINED``.
@@ -27,7 +28,7 @@ CHAINED = None
 
 def _activate():
     try:
-        from vllm_minicpm_hotfix._bootstrap import activate
+        from _vllm_minicpm_hotfix_arm import activate
     except Exception:  # noqa: BLE001 - a broken hotfix must not break start-up (or the chain below)
         return
     activate("sitecustomize")
@@ -41,21 +42,39 @@ def _same_dir(entry, here, realpath):
 
 
 def _find_next():
-    """The spec of the next ``sitecustomize`` on ``sys.path`` after the folder holding this file, or None."""
+    """The spec of the next ``sitecustomize`` on ``sys.path`` after the folder holding this file, or None.
+
+    Fast path (every start-up pays for it): the ``sys.path`` entry this file was imported from is its folder's name
+    as a string, so a list lookup finds it and only the next ``sitecustomize`` found is resolved (one ``realpath``).
+    Only when that fails -- the entry spelled otherwise, or the next one found is this folder again under another
+    name (a symbolic link, ``/a/../a``) -- is every entry resolved and compared."""
     os_path = sys.modules["os"].path
-    here = os_path.realpath(os_path.dirname(os_path.abspath(__file__)))
+    # The interpreter's own path finder (``importlib.machinery.PathFinder``), already loaded: importing
+    # ``importlib`` here would cost every process of the environment a few milliseconds.
+    finder = getattr(sys.modules.get("_frozen_importlib_external"), "PathFinder", None)
+    if finder is None:  # pragma: no cover - an interpreter without the frozen importlib
+        from importlib.machinery import PathFinder as finder
     path = list(sys.path)
+    here = None
+    folder = os_path.dirname(__file__)
+    if folder in path:
+        i = path.index(folder)
+        rest = [p for p in path[i + 1:] if p != folder]
+        spec = finder.find_spec("sitecustomize", rest)
+        origin = getattr(spec, "origin", None)
+        if spec is None or not origin:
+            return spec
+        here = os_path.realpath(folder)
+        if os_path.realpath(os_path.dirname(origin)) != here:
+            return spec
+    if here is None:
+        here = os_path.realpath(os_path.dirname(os_path.abspath(__file__)))
     for i, entry in enumerate(path):
         if isinstance(entry, str) and _same_dir(entry, here, os_path.realpath):
             rest = [p for p in path[i + 1:] if not (isinstance(p, str) and _same_dir(p, here, os_path.realpath))]
             break
     else:
         return None  # not imported from sys.path (exec'd by hand?): nothing to chain to
-    # The interpreter's own path finder (``importlib.machinery.PathFinder``), already loaded: importing
-    # ``importlib`` here would cost every process of the environment a few milliseconds.
-    finder = getattr(sys.modules.get("_frozen_importlib_external"), "PathFinder", None)
-    if finder is None:  # pragma: no cover - an interpreter without the frozen importlib
-        from importlib.machinery import PathFinder as finder
     return finder.find_spec("sitecustomize", rest)
 
 

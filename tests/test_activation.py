@@ -1,8 +1,8 @@
 """The activation paths, each in real interpreters of this environment (real start-up: ``site``, ``.pth`` files,
 ``sitecustomize``; real vLLM imports), never in-process mocks:
 
-* ``pip install`` -> ``vllm-minicpm-hotfix.pth`` (vllm_minicpm_hotfix/_bootstrap.py) and the ``vllm.general_plugins``
-  entry point (vllm_minicpm_hotfix/plugin.py);
+* ``pip install`` -> ``vllm-minicpm-hotfix.pth`` (_vllm_minicpm_hotfix_arm.py, then vllm_minicpm_hotfix/_bootstrap.py
+  at ``import vllm``) and the ``vllm.general_plugins`` entry point (vllm_minicpm_hotfix/plugin.py);
 * PYTHONPATH injection -> the top-level ``sitecustomize.py``, alone or in a ``vllm-minicpm-hotfix bundle`` folder
   (vllm_minicpm_hotfix/bundle.py) with its pure-Python wrapt.
 
@@ -48,7 +48,6 @@ def started(python, *, pythonpath: str = "", cwd, **env: str) -> tuple[dict, str
     """What a fresh interpreter looks like right after start-up, before it imports anything itself."""
     code = """
 import sys, json
-hot = sys.modules.get("vllm_minicpm_hotfix._bootstrap")
 site_mod = sys.modules.get("sitecustomize")
 print(json.dumps({
     "modules": sorted(sys.modules),
@@ -93,6 +92,11 @@ def import_m46(python, *, pythonpath: str = "", cwd, **env: str) -> tuple[dict, 
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def z_read(wheel, name: str) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        return z.read(name).decode()
+
+
 def test_wheel_ships_pth_entry_point_and_no_sitecustomize(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
@@ -106,6 +110,8 @@ def test_wheel_ships_pth_entry_point_and_no_sitecustomize(wheel):
     # A top-level sitecustomize.py in site-packages would shadow the image's own: never shipped.
     assert "sitecustomize.py" not in names
     assert {"vllm_minicpm_hotfix/_bootstrap.py", "vllm_minicpm_hotfix/plugin.py"} <= names
+    # The start-up module the .pth imports sits at the wheel's root, next to the package.
+    assert z_read(wheel, "_vllm_minicpm_hotfix_arm.py") == (REPO / "_vllm_minicpm_hotfix_arm.py").read_text()
 
 
 def test_editable_install_ships_the_pth(work, tmp_path):
@@ -129,11 +135,11 @@ def test_editable_install_ships_the_pth(work, tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_pth_adds_two_tiny_modules_at_start_up_and_nothing_heavy(pip_env, tmp_path):
+def test_pth_adds_one_small_module_at_start_up_and_nothing_heavy(pip_env, tmp_path):
     plain, _ = started(sys.executable, cwd=tmp_path)
     armed, _ = started(pip_env, cwd=tmp_path)
     added = set(armed["modules"]) - set(plain["modules"])
-    assert added == {"vllm_minicpm_hotfix", "vllm_minicpm_hotfix._bootstrap"}, added
+    assert added == {"_vllm_minicpm_hotfix_arm"}, added  # not even the package: it waits for `import vllm`
     assert not [m for m in armed["modules"] if m.split(".")[0] in HEAVY]
     assert armed["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (pth)>"]
 
@@ -144,7 +150,7 @@ def test_sitecustomize_adds_nothing_heavy_at_start_up(where, bundle_dir, tmp_pat
     plain, _ = started(sys.executable, cwd=tmp_path)
     armed, _ = started(sys.executable, pythonpath=str(folder), cwd=tmp_path)
     added = set(armed["modules"]) - set(plain["modules"])
-    assert added <= {"sitecustomize", "vllm_minicpm_hotfix", "vllm_minicpm_hotfix._bootstrap"}, added
+    assert added == {"sitecustomize", "_vllm_minicpm_hotfix_arm"}, added
     assert not [m for m in armed["modules"] if m.split(".")[0] in HEAVY]
     assert Path(armed["sitecustomize"]).resolve() == (folder / "sitecustomize.py").resolve()
     assert armed["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (sitecustomize)>"]
@@ -194,7 +200,7 @@ def test_sitecustomize_never_raises(bundle_dir, image_site, tmp_path):
 
     broken = tmp_path / "broken"
     shutil.copytree(bundle_dir, broken)
-    (broken / "vllm_minicpm_hotfix" / "_bootstrap.py").write_text("raise ImportError('synthetic')\n")
+    (broken / "_vllm_minicpm_hotfix_arm.py").write_text("raise ImportError('synthetic')\n")  # its .pyc is stale now
     (image_site / "sitecustomize.py").write_text("import sys\nsys.image_sitecustomize_ran = __name__\n")
     out, log = started(sys.executable, pythonpath=f"{broken}:{image_site}", cwd=tmp_path)
     assert out["waiting"] == [] and out["image_marker"] == "sitecustomize"
@@ -311,7 +317,14 @@ def test_bundle_layout_and_rebundle(tmp_path):
     manifest = bundle.write_bundle(dest)
     assert (dest / "sitecustomize.py").read_text() == (REPO / "sitecustomize.py").read_text()
     assert (dest / "vllm_minicpm_hotfix" / "_bootstrap.py").is_file()
-    assert not list(dest.rglob("__pycache__")) and not list(dest.rglob("*.so"))
+    assert (dest / "_vllm_minicpm_hotfix_arm.py").read_text() == (REPO / "_vllm_minicpm_hotfix_arm.py").read_text()
+    assert not list(dest.rglob("*.so"))
+    # Bytecode for this interpreter, hash-checked (flags 0b11 in the .pyc header, PEP 552): valid after a copy.
+    tag = sys.implementation.cache_tag
+    for source in ("sitecustomize", "_vllm_minicpm_hotfix_arm"):
+        pyc = dest / "__pycache__" / f"{source}.{tag}.pyc"
+        assert int.from_bytes(pyc.read_bytes()[4:8], "little") == 0b11, pyc
+    assert (dest / "vllm_minicpm_hotfix" / "__pycache__" / f"_bootstrap.{tag}.pyc").is_file()
     assert (dest / _bootstrap.VENDOR_DIR / "wrapt" / "__init__.py").is_file()
     assert (dest / _bootstrap.VENDOR_DIR / "wrapt" / "LICENSE").is_file()
     assert json.loads((dest / bundle.MANIFEST).read_text()) == manifest

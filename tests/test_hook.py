@@ -175,3 +175,14 @@ def test_status_is_json_serialisable_and_cheap_to_import():
     )
     assert out["mods"] == []
     assert out["st"]["hook_installed"] is False and out["st"]["fixes"] == {}
+
+
+def test_start_up_module_reads_the_off_switch_as_the_decision_does():
+    """``_vllm_minicpm_hotfix_arm`` may import nothing, so it keeps its own copy of the env var and its off values."""
+    import _vllm_minicpm_hotfix_arm as arm
+
+    assert arm.ENV_VAR == decision.ENV_VAR
+    assert arm.OFF_VALUES == decision.OFF_VALUES
+    for value in ("off", " OFF ", "0", "Disabled", "auto", "force", "", "bogus"):
+        env = {decision.ENV_VAR: value}
+        assert arm.disabled(env) is (decision.mode_from_env(env)[0] is decision.Mode.OFF), value

@@ -4,13 +4,18 @@
 The folder holds::
 
     DIR/sitecustomize.py                     arms the hotfix at start-up, then runs the image's own sitecustomize
-    DIR/vllm_minicpm_hotfix/                 this package (as installed here, without __pycache__)
+    DIR/_vllm_minicpm_hotfix_arm.py          the small start-up module it imports (the package waits for vLLM)
+    DIR/vllm_minicpm_hotfix/                 this package (its .py files as installed here)
     DIR/_vllm_minicpm_hotfix_vendor/wrapt/   a pure-Python copy of wrapt (its .py files and LICENSE, no C extension)
     DIR/vllm-minicpm-hotfix-bundle.json      what made it: package and wrapt versions, the Python it was made with
+    DIR/**/__pycache__/                      bytecode for the Python that made it (hash-checked, so copying is fine)
 
 vLLM images do not ship wrapt; the vendored copy is used only when the image has none (it is appended to the *end* of
 ``sys.path``, and only once vLLM is being imported; see :mod:`vllm_minicpm_hotfix._bootstrap`). The package is pure
-Python, so a bundle made on one machine works with any CPython >= 3.10 in the container.
+Python, so a bundle made on one machine works with any CPython >= 3.10 in the container. Its bytecode serves only
+the Python minor version that made it: on a read-only mount with another version every process compiles the two
+start-up files (``sitecustomize.py``, ``_vllm_minicpm_hotfix_arm.py``; ~1-2 ms), so make the bundle with the image's
+Python (or run ``python -m compileall -q --invalidation-mode checked-hash DIR`` once with it).
 
 Usage::
 
@@ -40,7 +45,9 @@ SITECUSTOMIZE_MARKER = "VLLM_MINICPM_HOTFIX_SITECUSTOMIZE = True"
 #: Where a wheel keeps a copy of the top-level sitecustomize.py (written by setup.py's build_py).
 SITECUSTOMIZE_IN_PACKAGE = "_sitecustomize.py.txt"
 #: What a bundle consists of; only these are replaced when DIR is an earlier bundle.
-ENTRIES = ("sitecustomize.py", PACKAGE, VENDOR_DIR, MANIFEST)
+#: The top-level start-up module (``_vllm_minicpm_hotfix_arm.py`` next to the package; see setup in pyproject.toml).
+ARM_MODULE = "_vllm_minicpm_hotfix_arm.py"
+ENTRIES = ("sitecustomize.py", ARM_MODULE, "__pycache__", PACKAGE, VENDOR_DIR, MANIFEST)
 CONTAINER_DIR = "/opt/vllm-minicpm-hotfix"
 
 
@@ -65,6 +72,30 @@ def sitecustomize_source() -> Path:
         f"cannot find the hotfix's sitecustomize.py (looked for {package_dir() / SITECUSTOMIZE_IN_PACKAGE} and "
         f"{package_dir().parent / 'sitecustomize.py'}); reinstall vllm-minicpm-hotfix"
     )
+
+
+def arm_module_source() -> Path:
+    """The start-up module ``_vllm_minicpm_hotfix_arm.py`` installed next to this package (wheel, editable install,
+    clone of the repository, bundle)."""
+    candidate = package_dir().parent / ARM_MODULE
+    if not candidate.is_file():
+        raise BundleError(f"cannot find {candidate} next to the package; reinstall vllm-minicpm-hotfix")
+    return candidate
+
+
+def write_bytecode(dest: Path) -> None:
+    """Compile the bundle's own ``.py`` files for this interpreter (``compileall``), hash-checked: valid wherever the
+    folder is copied or mounted, and never stale (a changed source is recompiled)."""
+    import compileall
+    import py_compile
+
+    mode = py_compile.PycInvalidationMode.CHECKED_HASH
+    ok = all(compileall.compile_file(str(dest / name), quiet=1, invalidation_mode=mode)
+             for name in ("sitecustomize.py", ARM_MODULE))
+    ok = all([ok] + [compileall.compile_dir(str(dest / name), quiet=1, invalidation_mode=mode)
+                     for name in (PACKAGE, VENDOR_DIR) if (dest / name).is_dir()])
+    if not ok:
+        raise BundleError(f"compiling the bundle's Python files in {dest} failed (see the messages above)")
 
 
 def find_wrapt() -> tuple[Path, str | None, Path | None]:
@@ -145,12 +176,15 @@ def write_bundle(dest: str | os.PathLike, *, wrapt: bool = True, force: bool = F
     if dest == package_dir().parent or dest.is_relative_to(package_dir()):
         raise BundleError(f"{dest} is where this package lives; choose another folder")
     template = sitecustomize_source()
+    arm = arm_module_source()
     if wrapt:
         find_wrapt()  # fail before touching dest
     prepare_target(dest, force)
     shutil.copytree(package_dir(), dest / PACKAGE, ignore=_ignore)
     shutil.copyfile(template, dest / "sitecustomize.py")
+    shutil.copyfile(arm, dest / ARM_MODULE)
     wrapt_version = copy_wrapt(dest / VENDOR_DIR) if wrapt else None
+    write_bytecode(dest)
     manifest = {
         "vllm_minicpm_hotfix": __version__,
         "wrapt": wrapt_version,

@@ -41,6 +41,11 @@ class Mode(str, enum.Enum):
     OFF = "off"
 
 
+#: Values of ``VLLM_MINICPM_HOTFIX`` that mean ``off`` (the start-up module ``_vllm_minicpm_hotfix_arm`` keeps a copy,
+#: since it may import nothing; tests/test_hook.py keeps the two equal).
+OFF_VALUES = frozenset(("off", "0", "false", "no", "disable", "disabled"))
+
+
 def mode_from_env(environ: Mapping[str, str] | None = None) -> tuple[Mode, str | None]:
     """Read ``VLLM_MINICPM_HOTFIX``. Returns ``(mode, problem)``: an unknown value yields ``AUTO`` and a message."""
     environ = os.environ if environ is None else environ
@@ -50,7 +55,7 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> tuple[Mode, str |
         return Mode.AUTO, None
     if value in ("force", "always"):
         return Mode.FORCE, None
-    if value in ("off", "0", "false", "no", "disable", "disabled"):
+    if value in OFF_VALUES:
         return Mode.OFF, None
     return Mode.AUTO, f"{ENV_VAR}={raw!r} is not one of auto, force, off; using auto"
 

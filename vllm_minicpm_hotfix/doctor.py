@@ -38,6 +38,8 @@ PLUGIN_NAME = "minicpm_hotfix"
 PTH_NAME = "vllm-minicpm-hotfix.pth"
 SITECUSTOMIZE_MARKER = "VLLM_MINICPM_HOTFIX_SITECUSTOMIZE"
 VENDOR_DIR = "_vllm_minicpm_hotfix_vendor"
+#: The start-up module the .pth imports (top level, next to the package).
+ARM_MODULE = "_vllm_minicpm_hotfix_arm"
 BUNDLE_MANIFEST = "vllm-minicpm-hotfix-bundle.json"
 PACKAGE = "vllm_minicpm_hotfix"
 MODULE = "vllm.model_executor.models.minicpmv4_6"
@@ -204,7 +206,8 @@ def activation_facts() -> dict[str, Any]:
             pth.append(str(p))
         else:
             for other in sorted(Path(d).glob("*.pth")):
-                if f"{PACKAGE}._bootstrap" in _read(other, 20_000):
+                text = _read(other, 20_000)
+                if ARM_MODULE in text or f"{PACKAGE}._bootstrap" in text:  # ours under another name (or older)
                     pth.append(str(other))
     pth_active = bool(pth) and not sys.flags.no_site
 
@@ -277,12 +280,7 @@ import sys, json
 path = sys.path[1:] if sys.path and sys.path[0] == "" else sys.path
 sc = sys.modules.get("sitecustomize")
 chained = getattr(sc, "CHAINED", None)
-b = sys.modules.get("vllm_minicpm_hotfix._bootstrap")
-w = None
-try:
-    w = b.waiting() if b is not None else None
-except Exception:
-    pass
+w = next((f for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)), None)
 print(json.dumps({"path": [p for p in path if isinstance(p, str)], "sitecustomize": getattr(sc, "__file__", None),
                   "ours": bool(getattr(sc, "VLLM_MINICPM_HOTFIX_SITECUSTOMIZE", False)),
                   "chained": getattr(chained, "__file__", None) if chained is not None else None,
@@ -371,11 +369,7 @@ def line(exc):
 def snap(step):
     b = sys.modules.get("vllm_minicpm_hotfix._bootstrap")
     h = sys.modules.get("vllm_minicpm_hotfix.hook")
-    w = None
-    try:
-        w = b.waiting() if b is not None else None
-    except Exception:
-        pass
+    w = next((f for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)), None)
     res["steps"][step] = {
         "package_imported": "vllm_minicpm_hotfix" in sys.modules,
         "waiting_for_vllm": w is not None,

@@ -49,7 +49,8 @@ def site_packages(python: str | os.PathLike = sys.executable) -> Path:
 def overlay_env(dest: Path, *, wrapt: bool = True) -> Path:
     """A throwaway venv over the running environment (see the module docstring); returns its ``python``."""
     base = site_packages()
-    if any(p.name.startswith((PACKAGE, "vllm-minicpm-hotfix", "vllm_minicpm_hotfix")) for p in base.iterdir()):
+    if any(p.name.startswith((PACKAGE, "vllm-minicpm-hotfix", "vllm_minicpm_hotfix", "_vllm_minicpm_hotfix"))
+           for p in base.iterdir()):
         raise RuntimeError(f"{base} has vllm-minicpm-hotfix installed; the shared test environment must not")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True, timeout=120)
     python = dest / "bin" / "python"
