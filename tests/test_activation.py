@@ -51,7 +51,7 @@ import sys, json
 site_mod = sys.modules.get("sitecustomize")
 print(json.dumps({
     "modules": sorted(sys.modules),
-    "waiting": [repr(f) for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
+    "waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
     "sitecustomize": getattr(site_mod, "__file__", None),
     "chained": getattr(getattr(site_mod, "CHAINED", None), "__file__", None),
     "image_marker": getattr(sys, "image_sitecustomize_ran", None),
@@ -78,7 +78,7 @@ print(json.dumps({{
     "qkv_patched": patching.is_patched(m.MiniCPMV4_6ViTWindowAttentionSelfAttn),
     "processor_patched": processor_fix.is_patched(getattr(m, processor_fix.INFO_CLASS)),
     "wrapt": getattr(wrapt, "__file__", None),
-    "waiting": [repr(f) for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
+    "waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
 }}))
 """
 
@@ -123,10 +123,10 @@ def test_editable_install_ships_the_pth(work, tmp_path):
     out, _ = run_python(
         python,
         "import sys, json, vllm_minicpm_hotfix as h; print(json.dumps({'file': h.__file__, "
-        "'waiting': [repr(f) for f in sys.meta_path if getattr(f, '_vllm_minicpm_hotfix_waiting', False)]}))",
+        "'waiting': [f.source for f in sys.meta_path if getattr(f, '_vllm_minicpm_hotfix_waiting', False)]}))",
         env=clean_env(), cwd=tmp_path,
     )
-    assert out["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (pth)>"]
+    assert out["waiting"] == ["pth"]
     assert Path(out["file"]).resolve().is_relative_to(src.resolve())
 
 
@@ -141,7 +141,21 @@ def test_pth_adds_one_small_module_at_start_up_and_nothing_heavy(pip_env, tmp_pa
     added = set(armed["modules"]) - set(plain["modules"])
     assert added == {"_vllm_minicpm_hotfix_arm"}, added  # not even the package: it waits for `import vllm`
     assert not [m for m in armed["modules"] if m.split(".")[0] in HEAVY]
-    assert armed["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (pth)>"]
+    assert armed["waiting"] == ["pth"]
+
+
+def test_pth_without_its_start_up_module_reports_and_start_up_goes_on(wheel, tmp_path):
+    """A broken install (the ``.pth`` left, ``_vllm_minicpm_hotfix_arm.py`` gone): the ``.pth`` line is a plain
+    import (no ``try``, no ``exec``: that costs ~85 us at every start), so Python's ``site`` reports it -- loudly, at
+    every start, which is what a broken install should do -- and start-up goes on unarmed."""
+    python = overlay_env(tmp_path / "env")
+    pip_install(python, str(wheel))
+    (site_packages(python) / "_vllm_minicpm_hotfix_arm.py").unlink()
+    proc = subprocess.run([str(python), "-c", "print('ran')"], env=clean_env(), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ran"
+    assert "Error processing line 4 of" in proc.stderr and "vllm-minicpm-hotfix.pth" in proc.stderr
+    assert "No module named '_vllm_minicpm_hotfix_arm'" in proc.stderr
 
 
 @pytest.mark.parametrize("where", ["repo", "bundle"])
@@ -153,7 +167,7 @@ def test_sitecustomize_adds_nothing_heavy_at_start_up(where, bundle_dir, tmp_pat
     assert added == {"sitecustomize", "_vllm_minicpm_hotfix_arm"}, added
     assert not [m for m in armed["modules"] if m.split(".")[0] in HEAVY]
     assert Path(armed["sitecustomize"]).resolve() == (folder / "sitecustomize.py").resolve()
-    assert armed["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (sitecustomize)>"]
+    assert armed["waiting"] == ["sitecustomize"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -177,7 +191,7 @@ def test_sitecustomize_chains_to_the_next_one(where, bundle_dir, image_site, tmp
     assert out["image_marker"] == "sitecustomize"  # the image's ran, under its own name
     assert Path(out["chained"]).resolve() == (image_site / "sitecustomize.py").resolve()
     assert Path(out["sitecustomize"]).resolve() == (folder / "sitecustomize.py").resolve()
-    assert out["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (sitecustomize)>"]
+    assert out["waiting"] == ["sitecustomize"]
     assert "Error" not in log
 
 
@@ -218,7 +232,7 @@ from vllm_minicpm_hotfix import plugin, _bootstrap, hook
 result = plugin.register()
 print(json.dumps({"result": repr(result), "installed": hook._installed, "activations": _bootstrap.activations,
                   "wrapt": getattr(sys.modules.get("wrapt"), "__file__", None),
-                  "waiting": [repr(f) for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]}))
+                  "waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]}))
 """
 
 

@@ -728,7 +728,7 @@ def pip_env_no_wrapt(work, wheel) -> Path:
 
 ARMED = """
 import sys, json
-print(json.dumps({"waiting": [repr(f) for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
+print(json.dumps({"waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
                   "heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("wrapt", "torch", "vllm")),
                   "ours": sorted(m for m in sys.modules if m.startswith("vllm_minicpm_hotfix")),
                   "flags": [sys.flags.isolated, sys.flags.ignore_environment, sys.flags.no_site]}))
@@ -791,7 +791,7 @@ def uv_venv_without_vllm(dest: Path, wheel: Path, *, wrapt: bool) -> Path:
 NO_VLLM = """
 import sys, json, time
 start_modules = set(sys.modules)
-waiting = [repr(f) for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]
+waiting = [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]
 t0 = time.perf_counter()
 try:
     import vllm
@@ -799,7 +799,7 @@ try:
 except ImportError as exc:
     error = f"{type(exc).__name__}: {exc}"
 print(json.dumps({"waiting": waiting, "error": error,
-                  "waiting_after": [repr(f) for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
+                  "waiting_after": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
                   "at_start": sorted(m for m in start_modules if "vllm_minicpm_hotfix" in m),
                   "after": sorted(m for m in set(sys.modules) - start_modules
                                   if m.split(".")[0] in ("wrapt", "vllm_minicpm_hotfix", "torch", "vllm"))}))
@@ -814,7 +814,7 @@ def test_vllm_not_installed_is_a_no_op(wheel, tmp_path, wrapt):
     python = uv_venv_without_vllm(tmp_path / "venv", wheel, wrapt=wrapt)
     out, log = run_python(python, NO_VLLM, env=clean_env(), cwd=tmp_path)
     assert out["at_start"] == ["_vllm_minicpm_hotfix_arm"]
-    assert out["waiting"] == ["<vllm-minicpm-hotfix: waiting for 'import vllm' (pth)>"]
+    assert out["waiting"] == ["pth"]
     assert out["error"] == "ModuleNotFoundError: No module named 'vllm'"
     assert out["after"] == []
     assert out["waiting_after"] == out["waiting"]  # still armed, should vLLM appear on sys.path later
@@ -823,8 +823,8 @@ def test_vllm_not_installed_is_a_no_op(wheel, tmp_path, wrapt):
 
 def test_interpreter_flags_which_routes_arm(pip_env, bundle_dir, tmp_path):
     """Which start-up route arms under ``-I`` / ``-E`` / ``-S`` (cheap: start-up only, vLLM not imported)."""
-    pth = "<vllm-minicpm-hotfix: waiting for 'import vllm' (pth)>"
-    site_cust = "<vllm-minicpm-hotfix: waiting for 'import vllm' (sitecustomize)>"
+    pth = "pth"
+    site_cust = "sitecustomize"
     result = {}
     for flags in ((), ("-I",), ("-E",), ("-S",)):
         key = " ".join(flags) or "none"
@@ -850,7 +850,7 @@ def test_under_S_only_the_plugin_entry_point_remains(pip_env, tmp_path):
     code = (f"import sys, json; sys.path.append({str(site)!r})\n"
             "from importlib.metadata import entry_points\n"
             "eps = [(e.name, e.value) for e in entry_points(group='vllm.general_plugins')]\n"
-            "print(json.dumps({'eps': eps, 'waiting': [repr(f) for f in sys.meta_path "
+            "print(json.dumps({'eps': eps, 'waiting': [f.source for f in sys.meta_path "
             "if getattr(f, '_vllm_minicpm_hotfix_waiting', False)]}))")
     proc = subprocess.run([str(pip_env), "-S", "-c", code], env=clean_env(), cwd=tmp_path, capture_output=True,
                           text=True, timeout=60, check=False)
