@@ -8,8 +8,9 @@ the modules, for comparison). Prints one JSON line.
 The package is not edited: the functions the activation path looks up at call time are wrapped here with
 ``perf_counter`` timers before vLLM is imported --
 
-* ``_bootstrap.install_now`` (the finder calls it when ``import vllm`` starts), split into ``import wrapt``, importing
-  the hook's modules (hook, patching, decision, qkv_loader, processor_fix, record), and registering the hook;
+* ``_vllm_minicpm_hotfix_arm._install`` (the finder calls it when ``import vllm`` starts; it imports the package and
+  calls ``_bootstrap.install_now``), split into ``import wrapt``, importing the package and the hook's modules (hook,
+  patching, decision, qkv_loader, processor_fix, record), and registering the hook;
 * wrapt's ``ImportHookFinder.find_spec``, asked about every import after the hook is registered;
 * ``hook.on_import`` (wrapt calls it when vLLM's model module has been imported), and inside it
   ``decision.probe_qkv_loading`` (the probe), ``patching._apply_qkv_fix`` (the q/k/v patch) and
@@ -63,12 +64,12 @@ def count_finder_calls(wrapt) -> None:
 
 
 def instrument() -> bool:
-    boot = sys.modules.get("vllm_minicpm_hotfix._bootstrap")
-    if boot is None:
+    arm = sys.modules.get("_vllm_minicpm_hotfix_arm")
+    if arm is None or arm.waiting() is None:
         return False
-    original = boot.install_now
+    original = arm._install  # what the waiting finder calls when `import vllm` starts (looked up at call time)
 
-    def install_now(source="explicit"):
+    def install_now(source):
         global modules_before_wrapt
         t0 = time.perf_counter()
         modules_before_wrapt = set(sys.modules)
@@ -89,7 +90,7 @@ def instrument() -> bool:
         timings.update(import_wrapt=t1 - t0, import_hook_modules=t2 - t1, register=t3 - t2, install_now=t3 - t0)
         return result
 
-    boot.install_now = install_now
+    arm._install = install_now
     return True
 
 
