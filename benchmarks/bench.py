@@ -93,8 +93,21 @@ def make_envs(work: Path) -> dict[str, Path]:
     bundle_nopyc = make_bundle(work / "bundle-nopyc")
     for cache in list(bundle_nopyc.rglob("__pycache__")):  # a read-only mount in an image with another Python
         shutil.rmtree(cache)
+    # Controls: what any .pth-based activation pays before running a line of its own code.
+    pth_comment = overlay_env(work / "pth-comment", wrapt=True)
+    (site_packages(pth_comment) / CONTROL_PTH).write_text("# a .pth file with nothing but this comment\n")
+    pth_empty = overlay_env(work / "pth-empty", wrapt=True)
+    (site_packages(pth_empty) / CONTROL_PTH).write_text(f"import {CONTROL_MODULE}\n")
+    (site_packages(pth_empty) / f"{CONTROL_MODULE}.py").write_text("")
+    compileall(site_packages(pth_empty) / f"{CONTROL_MODULE}.py")
     log(f"environments ready in {time.perf_counter() - t0:.1f} s under {work}")
-    return {"base": base, "pip": pip, "bundle": bundle, "bundle_nopyc": bundle_nopyc}
+    return {"base": base, "pip": pip, "bundle": bundle, "bundle_nopyc": bundle_nopyc, "pth_comment": pth_comment,
+            "pth_empty": pth_empty}
+
+
+#: The controls' .pth file (named like ours, so site processes it at the same place) and empty module.
+CONTROL_PTH = "vllm-minicpm-hotfix.pth"
+CONTROL_MODULE = "_vllm_minicpm_hotfix_control"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -111,6 +124,10 @@ def bench_startup(envs: dict[str, Path], pairs: int, warmup: int) -> list[dict]:
          (base, child_env(PYTHONPATH=str(envs["bundle"]))), True),
         ("startup_bundle_nopyc", "start-up, bundle on PYTHONPATH, read-only (no .pyc)", (base, plain),
          (base, child_env(PYTHONPATH=str(envs["bundle_nopyc"]))), False),
+        ("startup_control_comment", "(control) start-up with a .pth holding only a comment", (base, plain),
+         (str(envs["pth_comment"]), plain), False),
+        ("startup_control_empty", "(control) start-up with a .pth importing an empty module", (base, plain),
+         (str(envs["pth_empty"]), plain), False),
     ]
     rows = []
     for key, title, (py_a, env_a), (py_b, env_b), gated in cases:
