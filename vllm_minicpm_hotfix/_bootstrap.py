@@ -2,8 +2,8 @@
 
 Three paths call :func:`install_now`:
 
-* the finder that the start-up module ``_vllm_minicpm_hotfix_arm`` (top level, next to this package) puts on
-  ``sys.meta_path`` -- armed by ``vllm-minicpm-hotfix.pth`` after ``pip install`` (``source="pth"``) and by the
+* the start-up module ``_vllm_minicpm_hotfix_arm`` (top level, next to this package), which waits on
+  ``sys.meta_path`` as a finder -- armed by ``vllm-minicpm-hotfix.pth`` after ``pip install`` (``source="pth"``) and by the
   ``sitecustomize.py`` of a PYTHONPATH-injected folder (``source="sitecustomize"``) -- when ``import vllm`` starts,
   before any of vLLM's own code runs. Start-up itself loads only that one small module, never this package: most
   processes of an environment never import vLLM;
