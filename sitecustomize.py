@@ -55,20 +55,14 @@ def _find_next():
     if finder is None:  # pragma: no cover - an interpreter without the frozen importlib
         from importlib.machinery import PathFinder as finder
     path = list(sys.path)
-    here = None
     folder = os_path.dirname(__file__)
     if folder in path:
-        i = path.index(folder)
-        rest = [p for p in path[i + 1:] if p != folder]
+        rest = [p for p in path[path.index(folder) + 1:] if p != folder]
         spec = finder.find_spec("sitecustomize", rest)
         origin = getattr(spec, "origin", None)
-        if spec is None or not origin:
+        if not origin or os_path.realpath(os_path.dirname(origin)) != os_path.realpath(folder):
             return spec
-        here = os_path.realpath(folder)
-        if os_path.realpath(os_path.dirname(origin)) != here:
-            return spec
-    if here is None:
-        here = os_path.realpath(os_path.dirname(os_path.abspath(__file__)))
+    here = os_path.realpath(os_path.dirname(os_path.abspath(__file__)))
     for i, entry in enumerate(path):
         if isinstance(entry, str) and _same_dir(entry, here, os_path.realpath):
             rest = [p for p in path[i + 1:] if not (isinstance(p, str) and _same_dir(p, here, os_path.realpath))]

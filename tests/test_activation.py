@@ -204,6 +204,18 @@ def test_sitecustomize_without_a_next_one_and_twice_on_the_path(bundle_dir, imag
     assert len(twice["waiting"]) == 1
 
 
+def test_sitecustomize_skips_its_own_folder_under_another_name(bundle_dir, image_site, tmp_path):
+    """The bundle on the path twice, first through a symbolic link: the next ``sitecustomize`` found by name is this
+    folder again, so ``_find_next`` falls back to resolving every entry and chains to the image's, once."""
+    link = tmp_path / "bundle-link"
+    link.symlink_to(bundle_dir, target_is_directory=True)
+    out, log = started(sys.executable, pythonpath=f"{link}:{bundle_dir}:{image_site}", cwd=tmp_path)
+    assert out["image_marker"] == "sitecustomize"
+    assert Path(out["chained"]).resolve() == (image_site / "sitecustomize.py").resolve()
+    assert out["waiting"] == ["sitecustomize"]
+    assert "Error" not in log
+
+
 def test_sitecustomize_never_raises(bundle_dir, image_site, tmp_path):
     """The image's sitecustomize fails: start-up goes on, reported the way Python reports its own; the hotfix is
     still armed. A broken package next to ours does not stop the chain either."""

@@ -14,7 +14,7 @@ vLLM images do not ship wrapt; the vendored copy is used only when the image has
 ``sys.path``, and only once vLLM is being imported; see :mod:`vllm_minicpm_hotfix._bootstrap`). The package is pure
 Python, so a bundle made on one machine works with any CPython >= 3.10 in the container. Its bytecode serves only
 the Python minor version that made it: on a read-only mount with another version every process compiles the two
-start-up files (``sitecustomize.py``, ``_vllm_minicpm_hotfix_arm.py``; ~1-2 ms), so make the bundle with the image's
+start-up files (``sitecustomize.py``, ``_vllm_minicpm_hotfix_arm.py``; ~3 ms), so make the bundle with the image's
 Python (or run ``python -m compileall -q --invalidation-mode checked-hash DIR`` once with it).
 
 Usage::
