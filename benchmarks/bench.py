@@ -418,13 +418,13 @@ def breakdown_text(bd: dict, import_row: dict | None) -> str:
     names = [
         ("install_now", "finder fires on `import vllm`: install_now total"),
         ("import_wrapt", "  import wrapt"),
-        ("import_hook_modules", "  import hook, patching, decision, qkv_loader, processor_fix, record"),
+        ("import_hook_modules", "  import hook, decision, record, fixes/*"),
         ("register", "  register the post-import hook"),
         ("wrapt_finder", "wrapt's import finder, asked about every later import ({calls:.0f} calls; timer included)"),
         ("on_import", "module imported: on_import total"),
-        ("probe_qkv", "  q/k/v probe (decision.probe_qkv_loading)"),
-        ("patch_qkv", "  q/k/v patch (patching._apply_qkv_fix)"),
-        ("processor_fix", "  processor check/patch (processor_fix.apply_processor_fix)"),
+        ("probe_qkv", "  q/k/v probe (fixes.qkv_loader.probe)"),
+        ("patch_qkv", "  q/k/v patch (fixes.qkv_loader.apply)"),
+        ("processor_fix", "  processor probe (fixes.processor_mode.probe)"),
     ]
     fixes = ", ".join(
         f"{k} {v['verdict']}, {'applied' if v['applied'] else 'not applied'}" for k, v in bd["fixes"].items()

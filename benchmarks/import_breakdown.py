@@ -10,11 +10,11 @@ The package is not edited: the functions the activation path looks up at call ti
 
 * ``_vllm_minicpm_hotfix_arm._install`` (the finder calls it when ``import vllm`` starts; it imports the package and
   calls ``_bootstrap.install_now``), split into ``import wrapt``, importing the package and the hook's modules (hook,
-  patching, decision, qkv_loader, processor_fix, record), and registering the hook;
+  decision, record, fixes/*), and registering the hook;
 * wrapt's ``ImportHookFinder.find_spec``, asked about every import after the hook is registered;
 * ``hook.on_import`` (wrapt calls it when vLLM's model module has been imported), and inside it
-  ``decision.probe_qkv_loading`` (the probe), ``patching._apply_qkv_fix`` (the q/k/v patch) and
-  ``processor_fix.apply_processor_fix`` (the processor check/patch).
+  ``fixes.qkv_loader.probe`` (the probe), ``fixes.qkv_loader.apply`` (the q/k/v patch) and
+  ``fixes._base.run`` of the processor fix (its check/patch).
 """
 
 from __future__ import annotations
@@ -78,13 +78,14 @@ def instrument() -> bool:
         wrapt_modules.extend(sorted(set(sys.modules) - modules_before_wrapt))
         t1 = time.perf_counter()
         count_finder_calls(wrapt)
-        from vllm_minicpm_hotfix import decision, hook, patching, processor_fix
+        from vllm_minicpm_hotfix import hook
+        from vllm_minicpm_hotfix.fixes import processor_mode, qkv_loader
 
         t2 = time.perf_counter()
         timed(hook, "on_import", "on_import")
-        timed(decision, "probe_qkv_loading", "probe_qkv")
-        timed(patching, "_apply_qkv_fix", "patch_qkv")
-        timed(processor_fix, "apply_processor_fix", "processor_fix")
+        timed(qkv_loader, "probe", "probe_qkv")
+        timed(qkv_loader, "apply", "patch_qkv")
+        timed(processor_mode, "probe", "processor_fix")
         result = original(source)
         t3 = time.perf_counter()
         timings.update(import_wrapt=t1 - t0, import_hook_modules=t2 - t1, register=t3 - t2, install_now=t3 - t0)

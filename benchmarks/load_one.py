@@ -84,7 +84,7 @@ def instrument_hotfix(model) -> dict[str, float]:
     """Where the patch is applied, time the hotfix's code during the load: the self-attention's ``load_weights``,
     within it the calls of vLLM's own weight loaders (the module's tensor copies, which stock vLLM makes too), and
     the completeness check the top-level wrapper runs after vLLM's loader. Returns the dict the timers fill (s)."""
-    from vllm_minicpm_hotfix import qkv_loader
+    from vllm_minicpm_hotfix.fixes import qkv_loader
 
     keys = ("attn_load_weights", "weight_loaders", "completeness_check")
     spent: dict[str, float] = {k: 0.0 for k in keys} | {f"{k}_cpu": 0.0 for k in keys}

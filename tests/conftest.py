@@ -1,8 +1,8 @@
 """Shared fixtures. Every test here runs inside one CPU environment built by ``scripts/cpu-env RELEASE`` (real vLLM,
 real torch, real transformers); ``scripts/test`` runs the suite once per release and names each one.
 
-What each release is expected to do is written down once, in :data:`EXPECTED`: tests assert it against the vLLM that
-is actually installed, and fail (never skip) on a release the table does not know.
+What each environment is expected to do is written down once, in ``tests/expected.py``: tests assert it against the
+vLLM that is actually installed, and fail (never skip) on an environment the table does not know.
 """
 
 from __future__ import annotations
@@ -25,15 +25,6 @@ TINY = REPO / "vllm_minicpm_hotfix" / "data" / "tiny-minicpm-v46"
 MAKE_CHECKPOINT = REPO / "scripts" / "make_tiny_checkpoint.py"
 
 ATTN = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
-#: release -> (verdict of the decision, the error stock vLLM raises loading a 4.6 checkpoint or None if it loads).
-EXPECTED: dict[str, tuple[str, str | None]] = {
-    "0.24.0": ("correct", None),
-    "0.26.0": ("broken", f"There is no module or parameter named 'qkqkv_proj' in {ATTN}"),
-    "0.28.0": ("broken", f"There is no module or parameter named 'k_proj' in {ATTN}"),
-    "0.30.0": ("correct", None),
-    "0.32.0": ("correct", None),
-    "0.33.0": ("correct", None),
-}
 #: What stock vLLM raised in the original report (case-01, a main build that stacked nothing).
 SEED_ERA_ERROR = "There is no module or parameter named 'vit_merger.self_attn.k_proj' in MiniCPMV4_6ForConditionalGeneration"
 
@@ -50,10 +41,26 @@ def release() -> str:
 
 
 @pytest.fixture(scope="session")
-def expected(release: str) -> tuple[str, str | None]:
-    if release not in EXPECTED:
-        pytest.fail(f"vLLM {release} is not in tests/conftest.py EXPECTED: measure it and add its row")
-    return EXPECTED[release]
+def environment() -> tuple[str, str]:
+    """``(vLLM release, transformers version)`` installed here; fails (never skips) if tests/expected.py lacks it."""
+    import expected as table
+
+    env = table.installed_environment()
+    if env not in table.ENVIRONMENTS:
+        pytest.fail(str(table.UnknownEnvironment(f"vLLM {env[0]} with transformers {env[1]} is not in tests/expected.py")))
+    return env
+
+
+@pytest.fixture(scope="session")
+def expected(environment) -> tuple[str, str | None]:
+    """``(the q/k/v probe's stock verdict, the error stock vLLM raises loading a 4.6 checkpoint or None)`` here, from
+    tests/expected.py."""
+    import expected as table
+
+    try:
+        return table.verdict("qkv_loader", environment), table.stock_load_error(environment[0])
+    except table.UnknownEnvironment as exc:
+        pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="session")
@@ -82,18 +89,31 @@ def checkpoint(request, tiny: Path) -> Path:
 
 
 @contextlib.contextmanager
-def hotfix(m46, mode: str):
-    """Apply the q/k/v fix to the imported module as the post-import hook would under ``VLLM_MINICPM_HOTFIX=mode``;
-    revert on exit so the next test sees stock vLLM again."""
-    from vllm_minicpm_hotfix import patching, record
+def hotfix(m46, mode: str, fixes: tuple[str, ...] = ("qkv_loader",)):
+    """Apply the named fixes (``vllm_minicpm_hotfix.fixes`` NAMEs, in registry order; ``None`` for all) to the
+    imported module as the post-import hook would under ``VLLM_MINICPM_HOTFIX=mode``; yields the first one's
+    :class:`~vllm_minicpm_hotfix.record.FixStatus` (or a dict NAME -> FixStatus when several are named); reverts on
+    exit so the next test sees stock vLLM again."""
+    from vllm_minicpm_hotfix import record
+    from vllm_minicpm_hotfix.fixes import REGISTRY, _base
 
+    chosen = [f for f in REGISTRY if fixes is None or f.NAME in fixes]
+    unknown = set(fixes or ()) - {f.NAME for f in chosen}
+    assert not unknown, f"unknown fixes {unknown}"
     old = os.environ.get("VLLM_MINICPM_HOTFIX")
     os.environ["VLLM_MINICPM_HOTFIX"] = mode
     record._STATUS = None
     try:
-        yield patching.apply_qkv_fix(m46)
+        out = {}
+        try:
+            for fix in chosen:
+                out[fix.NAME] = _base.run(fix, m46)
+        except BaseException:
+            _base.revert(m46)
+            raise
+        yield out[chosen[0].NAME] if fixes is not None and len(chosen) == 1 else out
     finally:
-        patching.revert(m46)
+        _base.revert(m46)
         record._STATUS = None
         if old is None:
             os.environ.pop("VLLM_MINICPM_HOTFIX", None)
@@ -104,15 +124,14 @@ def hotfix(m46, mode: str):
 @pytest.fixture(autouse=True)
 def _stock_between_tests(m46):
     """Every test starts and ends with vLLM's classes exactly as vLLM defined them."""
-    from vllm_minicpm_hotfix import patching, processor_fix
+    from vllm_minicpm_hotfix.fixes import REGISTRY, _base
 
-    def patched() -> bool:
-        info = getattr(m46, processor_fix.INFO_CLASS, None)
-        return patching.is_patched(getattr(m46, ATTN)) or (isinstance(info, type) and processor_fix.is_patched(info))
+    def patched() -> list[str]:
+        return [fix.NAME for fix in REGISTRY if _base.is_patched(fix, m46)]
 
-    assert not patched(), "a previous test left vLLM patched"
+    assert not patched(), f"a previous test left vLLM patched: {patched()}"
     yield
-    assert not patched(), "this test left vLLM patched"
+    assert not patched(), f"this test left vLLM patched: {patched()}"
 
 
 #: Test modules that start many fresh interpreters or servers (activation routes, the CLI, hostile environments,
@@ -187,27 +206,34 @@ def bundle_dir(work) -> Path:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """For scripts/test's summary: which vLLM / torch / transformers ran, and the decision's verdict there."""
+    """For scripts/test's summary: which vLLM / torch / transformers / Python ran, and every fix's verdict there (its
+    probe on stock vLLM: every test leaves vLLM unpatched, see ``_stock_between_tests``)."""
     report = os.environ.get("VLLM_MINICPM_HOTFIX_REPORT")
     if not report:
         return
     import json
+    import platform
 
     import torch
     import transformers
     import vllm
 
-    from vllm_minicpm_hotfix import decision
+    from vllm_minicpm_hotfix.fixes import REGISTRY
 
-    verdict = decision.probe_qkv_loading(importlib.import_module("vllm.model_executor.models.minicpmv4_6"))
+    module = importlib.import_module("vllm.model_executor.models.minicpmv4_6")
+    verdicts = {}
+    for fix in REGISTRY:
+        v = fix.probe(module)
+        verdicts[fix.NAME] = {"verdict": v.state.value, "applicable": v.applicable, "reason": v.reason,
+                              "label": fix.LABEL}
     Path(report).write_text(
         json.dumps(
             {
                 "vllm": vllm.__version__,
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
-                "verdict": verdict.state.value,
-                "reason": verdict.reason,
+                "python": platform.python_version(),
+                "fixes": verdicts,
             }
         )
     )

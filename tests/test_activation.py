@@ -65,7 +65,8 @@ IMPORT_M46 = f"""
 import sys, json
 import {M46} as m
 import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix import _bootstrap, patching, processor_fix
+from vllm_minicpm_hotfix import _bootstrap
+from vllm_minicpm_hotfix.fixes import _base, processor_mode, qkv_loader
 before_plugins = list(_bootstrap.activations)
 from vllm.plugins import load_general_plugins
 load_general_plugins()
@@ -75,8 +76,8 @@ print(json.dumps({{
     "package": h.__file__,
     "activations_before_plugins": before_plugins,
     "activations": _bootstrap.activations,
-    "qkv_patched": patching.is_patched(m.MiniCPMV4_6ViTWindowAttentionSelfAttn),
-    "processor_patched": processor_fix.is_patched(getattr(m, processor_fix.INFO_CLASS)),
+    "qkv_patched": _base.is_patched(qkv_loader, m),
+    "processor_patched": _base.is_patched(processor_mode, m),
     "wrapt": getattr(wrapt, "__file__", None),
     "waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
 }}))

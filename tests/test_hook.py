@@ -13,7 +13,8 @@ import types
 import pytest
 from conftest import REPO, hotfix
 
-from vllm_minicpm_hotfix import decision, hook, patching, qkv_loader, record
+from vllm_minicpm_hotfix import decision, hook, record
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
 
 ATTN = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
 MODEL = "MiniCPMV4_6ForConditionalGeneration"
@@ -35,10 +36,10 @@ INSTALL_THEN_IMPORT = """
 import vllm_minicpm_hotfix as h
 first = h.install(); second = h.install()
 import vllm.model_executor.models.minicpmv4_6 as m
-from vllm_minicpm_hotfix import patching
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
 h.install()
 print(json.dumps({"status": h.status(), "first": first, "second": second,
-                  "patched": patching.is_patched(m.MiniCPMV4_6ViTWindowAttentionSelfAttn)}))
+                  "patched": _base.is_patched(qkv_loader, m)}))
 """
 
 
@@ -66,11 +67,11 @@ def test_install_after_module_import_patches_at_once(m46, expected):
         record._STATUS = None
         hook._installed = False
         assert hook.install() is True
-        assert patching.is_patched(getattr(m46, ATTN))
+        assert _base.is_patched(qkv_loader, m46)
         assert record.current().fixes["qkv_loader"].applied
         assert hook.install() is False
     finally:
-        patching.revert(m46)
+        _base.revert(m46)
         os.environ.pop("VLLM_MINICPM_HOTFIX")
         record._STATUS = None
 
@@ -79,12 +80,12 @@ def test_applying_twice_patches_once(m46):
     with hotfix(m46, "force") as fix:
         patched_fn = getattr(m46, ATTN).__dict__["load_weights"]
         patched_model_fn = getattr(m46, MODEL).__dict__["load_weights"]
-        again = patching.apply_qkv_fix(m46)
+        again = _base.run(qkv_loader, m46)
         assert fix.applied and again.applied and "already patched" in again.why
         assert getattr(m46, ATTN).__dict__["load_weights"] is patched_fn
         assert getattr(m46, MODEL).__dict__["load_weights"] is patched_model_fn
         assert patched_model_fn.__wrapped__.__name__ == "load_weights"
-        assert not getattr(patched_model_fn.__wrapped__, qkv_loader.MARKER_ATTR, None)
+        assert not getattr(patched_model_fn.__wrapped__, _base.MARKER_ATTR, None)
 
 
 class _Capture(logging.Handler):
@@ -125,7 +126,7 @@ def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatc
         assert fix.verdict == "error" and not fix.applied and "synthetic failure" in fix.error
         assert any(r.levelno == logging.WARNING and "hook failed" in r.getMessage() for r in captured)
     finally:
-        patching.revert(m46)  # the other fix (processor) ran normally under force
+        _base.revert(m46)  # the other fix (processor) ran normally under force
         record._STATUS = None
 
 
@@ -139,7 +140,7 @@ def test_unrecognised_layout_skips_with_one_warning(m46, monkeypatch, captured):
         captured.clear()
         monkeypatch.setenv("VLLM_MINICPM_HOTFIX", mode)
         record._STATUS = None
-        fix = patching.apply_qkv_fix(fake)
+        fix = _base.run(qkv_loader, fake)
         assert not fix.applied and fix.verdict == "unrecognised"
         warnings = [r for r in captured if r.levelno >= logging.WARNING]
         assert len(warnings) == 1 and "layout not recognised" in warnings[0].getMessage()

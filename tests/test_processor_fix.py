@@ -33,7 +33,9 @@ import pytest
 import torch
 
 import vllm_minicpm_hotfix
-from vllm_minicpm_hotfix import decision, hook, patching, processor_fix, record
+from vllm_minicpm_hotfix import decision, hook, record
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
+from vllm_minicpm_hotfix.fixes import processor_mode as processor_fix
 from vllm_minicpm_hotfix.record import FixStatus
 
 TINY = Path(vllm_minicpm_hotfix.__file__).parent / "data" / "tiny-minicpm-v46"
@@ -112,9 +114,9 @@ def processor_hotfix(m46, mode: str = "auto"):
     """Apply the processor fix as the post-import hook would under ``mode``; revert on exit."""
     with env_mode(mode):
         try:
-            yield processor_fix.apply_processor_fix(m46)
+            yield _base.run(processor_fix, m46)
         finally:
-            processor_fix.revert_processor_fix(m46)
+            _base.revert_fix(processor_fix.NAME, m46)
 
 
 def info_method(m46):
@@ -196,9 +198,9 @@ def tiny_dir() -> Path:
 @pytest.fixture(autouse=True)
 def _stock_processor_between_tests(m46_mod):
     """Every test starts and ends with vLLM's ProcessingInfo exactly as vLLM defined it."""
-    assert not processor_fix.is_patched(getattr(m46_mod, INFO)), "a previous test left the processor fix applied"
+    assert not _base.is_patched(processor_fix, m46_mod), "a previous test left the processor fix applied"
     yield
-    assert not processor_fix.is_patched(getattr(m46_mod, INFO)), "this test left the processor fix applied"
+    assert not _base.is_patched(processor_fix, m46_mod), "this test left the processor fix applied"
 
 
 def make_processor(checkpoint: Path, **model_kwargs):
@@ -237,7 +239,7 @@ def installed(m46_mod, vproc) -> dict:
     tf_requires_mode = tf_takes_mode and all(
         p["downsample_mode"].default is inspect.Parameter.empty for p in params.values()
     )
-    assert not processor_fix.is_patched(getattr(m46_mod, INFO))
+    assert not _base.is_patched(processor_fix, m46_mod)
     try:
         vllm_process(vproc, image(*SIZES["large-wide"]), {})
         stock_error = None
@@ -269,10 +271,10 @@ def vmodel(m46_mod, tiny_dir):
     model = build_vllm_model(tiny_dir, load=False)
     with env_mode("auto"):
         try:
-            patching.apply_qkv_fix(m46_mod)
+            _base.run(qkv_loader, m46_mod)
             load_checkpoint(model, tiny_dir)
         finally:
-            patching.revert(m46_mod)
+            _base.revert(m46_mod)
     # vLLM's loader post-processes every module after loading (on CPU: its linear layers get their GEMM kernel).
     # Only the vision side runs here; some releases (0.30) cannot post-process the float32 text model's GDN conv on
     # CPU, so the language model is left out.
@@ -316,7 +318,7 @@ def test_probe_matches_installed(m46_mod, installed):
     if installed["needed"]:
         assert STOCK_ERROR in result.reason
     # The probe left vLLM as it was.
-    assert not processor_fix.is_patched(getattr(m46_mod, INFO))
+    assert not _base.is_patched(processor_fix, m46_mod)
 
 
 def test_stock_vllm(m46_mod, vproc, hf_proc, installed):
@@ -346,11 +348,11 @@ def test_apply_by_mode(m46_mod, vproc, installed, mode):
     with processor_hotfix(m46_mod, mode) as fix:
         assert isinstance(fix, FixStatus)
         assert record.current().mode == mode
-        assert record.current().fixes[processor_fix.PROCESSOR_FIX] is fix
-        assert vllm_minicpm_hotfix.status()["fixes"][processor_fix.PROCESSOR_FIX]["applied"] == fix.applied
+        assert record.current().fixes[processor_fix.NAME] is fix
+        assert vllm_minicpm_hotfix.status()["fixes"][processor_fix.NAME]["applied"] == fix.applied
         want = {"auto": installed["needed"], "force": installed["tf_takes_mode"], "off": False}[mode]
         assert fix.applied == want, fix
-        assert processor_fix.is_patched(getattr(m46_mod, INFO)) == want
+        assert _base.is_patched(processor_fix, m46_mod) == want
         if mode != "off":
             assert fix.verdict == ("broken" if installed["needed"] else "correct"), fix
         if mode == "auto" and not installed["needed"]:
@@ -370,7 +372,7 @@ def test_idempotent_and_revert(m46_mod, installed):
     with processor_hotfix(m46_mod, "force") as fix:
         assert fix.applied == installed["tf_takes_mode"]
         wrapper = info_method(m46_mod)
-        again = processor_fix.apply_processor_fix(m46_mod)
+        again = _base.run(processor_fix, m46_mod)
         assert again.applied == fix.applied
         assert info_method(m46_mod) is wrapper
         if fix.applied:
@@ -379,28 +381,28 @@ def test_idempotent_and_revert(m46_mod, installed):
         else:
             assert wrapper is stock
     assert info_method(m46_mod) is stock
-    assert processor_fix.revert_processor_fix(m46_mod) is False
+    assert _base.revert_fix(processor_fix.NAME, m46_mod) is False
 
 
 def test_transactional(m46_mod, installed, monkeypatch):
     """A failure while patching leaves vLLM's class exactly as it was (where not applicable, nothing is attempted)."""
     stock = info_method(m46_mod)
-    real_set = patching._set
+    real_set = _base._set
 
     def set_then_fail(cls, attr, value, undo):
         real_set(cls, attr, value, undo)
         raise RuntimeError("injected failure after setting")
 
-    monkeypatch.setattr(patching, "_set", set_then_fail)
+    monkeypatch.setattr(_base, "_set", set_then_fail)
     with env_mode("force"):
         if installed["tf_takes_mode"]:
             with pytest.raises(RuntimeError, match="injected"):
-                processor_fix.apply_processor_fix(m46_mod)
+                _base.run(processor_fix, m46_mod)
         else:
-            processor_fix.apply_processor_fix(m46_mod)
+            _base.run(processor_fix, m46_mod)
         assert info_method(m46_mod) is stock
-        assert not record.current().fixes[processor_fix.PROCESSOR_FIX].applied
-    assert processor_fix.revert_processor_fix(m46_mod) is False
+        assert not record.current().fixes[processor_fix.NAME].applied
+    assert _base.revert_fix(processor_fix.NAME, m46_mod) is False
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -411,20 +413,20 @@ def test_transactional(m46_mod, installed, monkeypatch):
 @pytest.fixture
 def hook_cleanup(m46_mod):
     yield
-    patching.revert(m46_mod)
-    processor_fix.revert_processor_fix(m46_mod)
+    _base.revert(m46_mod)
+    _base.revert_fix(processor_fix.NAME, m46_mod)
 
 
 def test_hook_applies_both(m46_mod, installed, hook_cleanup):
-    qkv_verdict = decision.probe_qkv_loading(m46_mod)
+    qkv_verdict = qkv_loader.probe(m46_mod)
     with env_mode("auto"):
         hook.on_import(m46_mod)
         fixes = record.current().fixes
-        assert set(fixes) >= {patching.QKV_FIX, processor_fix.PROCESSOR_FIX}
-        assert fixes[processor_fix.PROCESSOR_FIX].applied == installed["needed"]
-        assert processor_fix.is_patched(getattr(m46_mod, INFO)) == installed["needed"]
-        assert fixes[patching.QKV_FIX].applied == qkv_verdict.broken
-        assert fixes[patching.QKV_FIX].error is None and fixes[processor_fix.PROCESSOR_FIX].error is None
+        assert set(fixes) >= {qkv_loader.NAME, processor_fix.NAME}
+        assert fixes[processor_fix.NAME].applied == installed["needed"]
+        assert _base.is_patched(processor_fix, m46_mod) == installed["needed"]
+        assert fixes[qkv_loader.NAME].applied == qkv_verdict.broken
+        assert fixes[qkv_loader.NAME].error is None and fixes[processor_fix.NAME].error is None
         json.dumps(vllm_minicpm_hotfix.status())
 
 
@@ -432,30 +434,30 @@ def test_hook_processor_failure_isolated(m46_mod, installed, hook_cleanup, monke
     def boom(module):
         raise RuntimeError("processor fix exploded")
 
-    monkeypatch.setattr(processor_fix, "apply_processor_fix", boom)
-    qkv_verdict = decision.probe_qkv_loading(m46_mod)
+    monkeypatch.setattr(processor_fix, "probe", boom)
+    qkv_verdict = qkv_loader.probe(m46_mod)
     with env_mode("auto"):
         hook.on_import(m46_mod)  # must not raise
         fixes = record.current().fixes
-        err = fixes[processor_fix.PROCESSOR_FIX]
+        err = fixes[processor_fix.NAME]
         assert err.verdict == "error" and not err.applied and "processor fix exploded" in err.error
-        assert fixes[patching.QKV_FIX].error is None
-        assert fixes[patching.QKV_FIX].applied == qkv_verdict.broken
-    assert not processor_fix.is_patched(getattr(m46_mod, INFO))
+        assert fixes[qkv_loader.NAME].error is None
+        assert fixes[qkv_loader.NAME].applied == qkv_verdict.broken
+    assert not _base.is_patched(processor_fix, m46_mod)
 
 
 def test_hook_qkv_failure_isolated(m46_mod, installed, hook_cleanup, monkeypatch):
     def boom(module):
         raise RuntimeError("qkv fix exploded")
 
-    monkeypatch.setattr(patching, "apply_qkv_fix", boom)
+    monkeypatch.setattr(qkv_loader, "probe", boom)
     with env_mode("auto"):
         hook.on_import(m46_mod)  # must not raise
         fixes = record.current().fixes
-        assert fixes[patching.QKV_FIX].verdict == "error" and "qkv fix exploded" in fixes[patching.QKV_FIX].error
-        pfix = fixes[processor_fix.PROCESSOR_FIX]
+        assert fixes[qkv_loader.NAME].verdict == "error" and "qkv fix exploded" in fixes[qkv_loader.NAME].error
+        pfix = fixes[processor_fix.NAME]
         assert pfix.error is None and pfix.applied == installed["needed"]
-        assert processor_fix.is_patched(getattr(m46_mod, INFO)) == installed["needed"]
+        assert _base.is_patched(processor_fix, m46_mod) == installed["needed"]
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 from vllm_build import build_vllm_model, checkpoint_tensors
 
-from vllm_minicpm_hotfix.qkv_loader import QKVLoadError, load_session, load_weights
+from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError, load_session, load_weights
 
 PREFIX = "model.vision_tower.vit_merger.self_attn."
 

@@ -34,7 +34,7 @@ from e2e import clean_env, overlay_env, pip_install, run_python, site_packages
 from safetensors.torch import save_file
 from vllm_build import build_vllm_model, checkpoint_tensors, ensure_distributed, iter_checkpoint, make_vllm_config
 
-from vllm_minicpm_hotfix.qkv_loader import QKVLoadError
+from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError
 
 P = "model.vision_tower.vit_merger.self_attn."
 M46 = "vllm.model_executor.models.minicpmv4_6"
@@ -402,7 +402,7 @@ def test_unknown_tensor_under_vit_merger_self_attn(m46, expected, release, bad, 
 
 
 def test_unknown_tensor_message_quotes_the_whole_name(m46, tiny):
-    from vllm_minicpm_hotfix.qkv_loader import load_weights
+    from vllm_minicpm_hotfix.fixes.qkv_loader import load_weights
 
     attn = build_vllm_model(tiny, load=False).vit_merger.self_attn
     with pytest.raises(QKVLoadError) as info:
@@ -538,16 +538,16 @@ def fresh(code: str, tmp_path: Path, *, python: str | Path = sys.executable, pyt
 
 
 HOOK_RAISES = f"""
-from vllm_minicpm_hotfix import patching
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
 def boom(module):
     raise RuntimeError("synthetic failure inside _apply_qkv_fix")
-patching._apply_qkv_fix = boom
+qkv_loader.apply = boom
 import vllm_minicpm_hotfix as h
 h.install()
 import {M46} as m
 attn, model = m.{ATTN}, m.{MODEL}
-print(json.dumps({{"status": h.status(), "attn_patched": patching.is_patched(attn),
-                  "model_patched": patching.is_patched(model),
+print(json.dumps({{"status": h.status(), "attn_patched": (_base.patched_by(attn, "load_weights") is not None),
+                  "model_patched": (_base.patched_by(model, "load_weights") is not None),
                   "model_load_weights": model.__dict__["load_weights"].__qualname__,
                   "wrapped": hasattr(model.__dict__["load_weights"], "__wrapped__")}}))
 """
@@ -572,9 +572,9 @@ import importlib
 import {M46} as m
 old = m.{ATTN}
 import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix import patching
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
 installed = h.install()
-at_once = patching.is_patched(m.{ATTN}) and patching.is_patched(m.{MODEL})
+at_once = (_base.patched_by(m.{ATTN}, "load_weights") is not None) and (_base.patched_by(m.{MODEL}, "load_weights") is not None)
 m2 = importlib.reload(m)
 new = m2.{ATTN}
 again = h.install()
@@ -582,9 +582,9 @@ again = h.install()
 from vllm.model_executor.models.registry import ModelRegistry
 resolved = ModelRegistry._try_load_model_cls("{MODEL}")
 print(json.dumps({{"installed": installed, "at_once": at_once, "same_module": m2 is m, "new_class": new is not old,
-                  "old_still_patched": patching.is_patched(old), "new_patched": patching.is_patched(new),
-                  "new_model_patched": patching.is_patched(m2.{MODEL}), "install_again": again,
-                  "registry_class_patched": patching.is_patched(resolved) if resolved is not None else None,
+                  "old_still_patched": (_base.patched_by(old, "load_weights") is not None), "new_patched": (_base.patched_by(new, "load_weights") is not None),
+                  "new_model_patched": (_base.patched_by(m2.{MODEL}, "load_weights") is not None), "install_again": again,
+                  "registry_class_patched": (_base.patched_by(resolved, "load_weights") is not None) if resolved is not None else None,
                   "status_applied": h.status()["fixes"]["qkv_loader"]["applied"]}}))
 """
 
@@ -607,9 +607,10 @@ def test_module_imported_before_install_then_reloaded(tmp_path):
 
 THREADS = f"""
 import threading, importlib
-from vllm_minicpm_hotfix import hook, patching
+from vllm_minicpm_hotfix import hook
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
 calls, applied = [], []
-real_on_import, real_apply = hook.on_import, patching._apply_qkv_fix
+real_on_import, real_apply = hook.on_import, qkv_loader.apply
 def counting_on_import(module):
     calls.append(threading.current_thread().name)
     real_on_import(module)
@@ -617,7 +618,7 @@ def counting_apply(module):
     applied.append(threading.current_thread().name)
     real_apply(module)
 hook.on_import = counting_on_import
-patching._apply_qkv_fix = counting_apply
+qkv_loader.apply = counting_apply
 import vllm_minicpm_hotfix as h
 h.install()
 barrier = threading.Barrier(2)
@@ -633,7 +634,7 @@ for t in threads: t.start()
 for t in threads: t.join(240)
 m = mods[0] if mods else None
 print(json.dumps({{"calls": calls, "applied": applied, "errors": errors, "modules": len(mods),
-                  "same": len(set(map(id, mods))) == 1, "patched": m is not None and patching.is_patched(m.{ATTN}),
+                  "same": len(set(map(id, mods))) == 1, "patched": m is not None and (_base.patched_by(m.{ATTN}, "load_weights") is not None),
                   "alive": [t.name for t in threads if t.is_alive()]}}))
 """
 
@@ -649,10 +650,10 @@ def test_two_threads_importing_the_module_patch_once(tmp_path):
 
 UNKNOWN_VALUE = f"""
 import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix import patching
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
 h.install()
 import {M46} as m
-print(json.dumps({{"status": h.status(), "patched": patching.is_patched(m.{ATTN})}}))
+print(json.dumps({{"status": h.status(), "patched": (_base.patched_by(m.{ATTN}, "load_weights") is not None)}}))
 """
 
 
@@ -677,7 +678,7 @@ class MiniCPMV4_6ForConditionalGeneration:
 UNRECOGNISED = f"""
 import logging
 import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix import patching
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
 h.install()
 import {M46} as m
 lw = m.MiniCPMV4_6ForConditionalGeneration.__dict__["load_weights"]
@@ -864,11 +865,12 @@ IMPORT_M46_AND_PLUGINS = f"""
 import sys, json
 import {M46} as m
 import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix import _bootstrap, patching
+from vllm_minicpm_hotfix import _bootstrap
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 print(json.dumps({{"status": h.status(), "activations": _bootstrap.activations,
-                  "patched": patching.is_patched(m.{ATTN})}}))
+                  "patched": (_base.patched_by(m.{ATTN}, "load_weights") is not None)}}))
 """
 
 

@@ -10,7 +10,8 @@ import torch
 from conftest import SEED_ERA_ERROR, hotfix
 from vllm_build import build_vllm_model, checkpoint_tensors, load_checkpoint
 
-from vllm_minicpm_hotfix import decision, patching
+from vllm_minicpm_hotfix import decision
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
 
 PREFIX = "model.vision_tower.vit_merger.self_attn."
 
@@ -36,7 +37,7 @@ def assert_vit_merger_exact(model, ckpt) -> None:
 
 
 def test_verdict_matches_release(m46, release, expected):
-    verdict = decision.probe_qkv_loading(m46)
+    verdict = qkv_loader.probe(m46)
     print(f"\nvLLM {release}: verdict {verdict.state.value}: {verdict.reason}")
     assert verdict.state.value == expected[0]
     if expected[1] is not None:
@@ -58,7 +59,7 @@ def test_stock_load(m46, release, expected, checkpoint):
 def test_hotfix_load_exact(m46, expected, checkpoint, mode):
     with hotfix(m46, mode) as fix:
         assert fix.applied == (mode == "force" or expected[0] == "broken"), fix
-        assert patching.is_patched(getattr(m46, "MiniCPMV4_6ViTWindowAttentionSelfAttn")) == fix.applied
+        assert _base.is_patched(qkv_loader, m46) == fix.applied
         model = build_vllm_model(checkpoint, load=False)
         loaded = load(model, checkpoint)
         assert_vit_merger_exact(model, checkpoint)
@@ -78,7 +79,7 @@ def test_auto_leaves_correct_release_untouched(m46, expected):
 def test_off_does_nothing(m46, expected, tiny):
     with hotfix(m46, "off") as fix:
         assert not fix.applied and "off" in fix.why
-        assert not patching.is_patched(getattr(m46, "MiniCPMV4_6ViTWindowAttentionSelfAttn"))
+        assert not _base.is_patched(qkv_loader, m46)
         model = build_vllm_model(tiny, load=False)
         if expected[1] is not None:
             with pytest.raises(ValueError, match=expected[1].replace("(", r"\(")):
@@ -108,7 +109,7 @@ def test_seed_era_main_build(seed_era, tiny):
     model = build_vllm_model(tiny, load=False)
     with pytest.raises(ValueError, match=SEED_ERA_ERROR):
         load(model, tiny)
-    verdict = decision.probe_qkv_loading(seed_era)
+    verdict = qkv_loader.probe(seed_era)
     assert verdict.state is decision.State.BROKEN and SEED_ERA_ERROR in verdict.reason
     with hotfix(seed_era, "auto") as fix:
         assert fix.applied

@@ -6,7 +6,7 @@ Initialises vLLM's distributed state on CPU (gloo), builds vLLM's real ``MiniCPM
 twice -- once with the default ``mm_encoder_tp_mode="weights"`` (head-sharded ``QKVParallelLinear`` /
 ``RowParallelLinear``) and once with ``mm_encoder_tp_mode="data"`` (``is_vit_use_data_parallel()``: replicated) --
 loads the checkpoint's ``model.vision_tower.vit_merger.self_attn.*`` tensors into each with the hotfix's loader
-(``vllm_minicpm_hotfix.qkv_loader.load_weights``, prefix-stripped names as vLLM hands them to a child module), runs
+(``vllm_minicpm_hotfix.fixes.qkv_loader.load_weights``, prefix-stripped names as vLLM hands them to a child module), runs
 ``process_weights_after_loading`` (what vLLM's loader does before any forward; on CPU it sets up the linear kernels)
 and a forward pass on a fixed input, and saves every rank-local parameter and the output with ``torch.save``.
 """
@@ -48,7 +48,7 @@ def main(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
     from vllm.model_executor.models import minicpmv4_6 as m46
     from vllm.model_executor.models.vision import is_vit_use_data_parallel
 
-    from vllm_minicpm_hotfix.qkv_loader import load_weights
+    from vllm_minicpm_hotfix.fixes.qkv_loader import load_weights
     from vllm_minicpm_hotfix.vllm_cpu import checkpoint_tensors
 
     # What vLLM's CPU worker sets before initialising (vllm/v1/worker/cpu_worker.py): the CPU communicator names its

@@ -20,8 +20,9 @@ def install() -> bool:
 
 
 def status() -> dict:
-    """This process's record: ``pid``, ``mode``, ``hook_installed``, ``module_imported``, ``vllm_version`` and per
-    fix (``qkv_loader``) its ``verdict``, ``reason``, ``applied``, ``why`` and ``error``."""
+    """This process's record: ``pid``, ``mode``, ``hook_installed``, ``module_imported``, ``vllm_version`` and, once
+    vLLM has imported the model module, every fix of :data:`vllm_minicpm_hotfix.fixes.REGISTRY` by ``NAME`` with its
+    ``verdict``, ``reason``, ``applied``, ``why``, ``error`` and ``label``."""
     from .record import current
 
     return current().as_dict()

@@ -43,9 +43,6 @@ ARM_MODULE = "_vllm_minicpm_hotfix_arm"
 BUNDLE_MANIFEST = "vllm-minicpm-hotfix-bundle.json"
 PACKAGE = "vllm_minicpm_hotfix"
 MODULE = "vllm.model_executor.models.minicpmv4_6"
-QKV_FIX = "qkv_loader"
-PROCESSOR_FIX = "processor_downsample_mode"
-FIX_LABELS = {QKV_FIX: "vit_merger q/k/v loading", PROCESSOR_FIX: "image placeholder count (downsample_mode)"}
 
 #: ``sys.flags`` attribute -> the command-line option that sets it.
 _FLAG_OPTIONS = (
@@ -429,29 +426,26 @@ if w is not None:
 else:
     res["wrapt"] = None
 
-# The package's own probes (this copy, appended last so an installed copy wins), on the classes as they now are.
+# Every fix's probe (this copy of the package, appended last so an installed copy wins), re-run on the classes as
+# they now are: where a fix was applied this checks the patched code; where not, it is the stock verdict.
 if m is not None:
+    res["fixes"] = {}
     try:
         import importlib.util
         if importlib.util.find_spec("vllm_minicpm_hotfix") is None:
             sys.path.append(pkg_parent)
-        from vllm_minicpm_hotfix import decision, patching
-        v = decision.probe_qkv_loading(m)
-        attn = getattr(m, decision.ATTN_CLASS, None)
-        res["qkv"] = {"state": v.state.value, "reason": v.reason,
-                      "patched": bool(isinstance(attn, type) and patching.is_patched(attn))}
+        from vllm_minicpm_hotfix.fixes import REGISTRY, _base
     except BaseException as exc:
-        res["qkv"] = {"state": "undetermined", "reason": "probe failed: " + line(exc), "patched": False}
-    try:
-        from vllm_minicpm_hotfix import processor_fix as pf
-        r = pf.probe(m)
-        info = getattr(m, pf.INFO_CLASS, None)
-        res["processor"] = {"state": r.state.value, "reason": r.reason, "applicable": r.applicable,
-                            "patched": bool(isinstance(info, type) and pf.is_patched(info))}
-    except ImportError:
-        res["processor"] = None
-    except BaseException as exc:
-        res["processor"] = {"state": "undetermined", "reason": "probe failed: " + line(exc), "patched": False}
+        res["fixes_error"] = line(exc)
+        REGISTRY = ()
+    for fix in REGISTRY:
+        try:
+            v = fix.probe(m)
+            res["fixes"][fix.NAME] = {"label": fix.LABEL, "state": v.state.value, "reason": v.reason,
+                                      "applicable": v.applicable, "patched": _base.is_patched(fix, m)}
+        except BaseException as exc:
+            res["fixes"][fix.NAME] = {"label": fix.LABEL, "state": "undetermined", "applicable": False,
+                                      "reason": "probe failed: " + line(exc), "patched": False}
 dump()
 '''
 
@@ -500,33 +494,25 @@ def _fix_status(child: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 
 def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per fix: ``needed`` (stock vLLM is not correct), ``applied``, ``ok``, ``stock`` and ``now`` verdicts."""
+    """Per fix of the registry, from the fresh vLLM process: ``label``; ``stock`` / ``stock_reason`` (the verdict on
+    vLLM as shipped: the hook's record where the fix was applied, else the probe); ``now`` / ``now_reason`` (the
+    probe re-run on the classes as they are after the hook); ``applied``; ``needed`` (stock is not correct); ``ok``
+    (the probe now says correct); ``hook_error``; ``why`` (the hook's decision)."""
     out: dict[str, dict[str, Any]] = {}
-    qkv = child.get("qkv") or {"state": "undetermined", "reason": "not probed", "patched": False}
-    rec = _fix_status(child, QKV_FIX)
-    applied = bool(qkv.get("patched"))
-    if applied and rec and rec.get("verdict") not in (None, "error", "n/a"):
-        stock, stock_reason = rec["verdict"], rec.get("reason", "")
-    elif applied:
-        stock, stock_reason = "unknown", "patched before the hook recorded a verdict"
-    else:
-        stock, stock_reason = qkv["state"], qkv["reason"]
-    out[QKV_FIX] = {
-        "stock": stock, "stock_reason": stock_reason, "now": qkv["state"], "now_reason": qkv["reason"],
-        "applied": applied, "needed": stock != "correct",
-        "ok": qkv["state"] == "correct", "hook_error": (rec or {}).get("error"),
-        "why": (rec or {}).get("why"),
-    }
-    proc = child.get("processor")
-    if proc is not None:
-        rec = _fix_status(child, PROCESSOR_FIX)
-        applied = bool(proc.get("patched"))
-        out[PROCESSOR_FIX] = {
-            "stock": proc["state"], "stock_reason": proc["reason"], "now": "patched" if applied else proc["state"],
-            "now_reason": "vLLM's placeholder count wrapped to pass downsample_mode" if applied else proc["reason"],
-            "applied": applied, "needed": proc["state"] != "correct",
-            "ok": proc["state"] == "correct" or applied, "hook_error": (rec or {}).get("error"),
-            "why": (rec or {}).get("why"),
+    for name, probe in (child.get("fixes") or {}).items():
+        rec = _fix_status(child, name) or {}
+        applied = bool(probe.get("patched"))
+        if not applied:
+            stock, stock_reason = probe["state"], probe["reason"]
+        elif rec.get("verdict") not in (None, "error", "n/a"):
+            stock, stock_reason = rec["verdict"], rec.get("reason", "")
+        else:
+            stock, stock_reason = "unknown", "patched before the hook recorded a verdict"
+        out[name] = {
+            "label": probe.get("label") or name, "stock": stock, "stock_reason": stock_reason,
+            "now": probe["state"], "now_reason": probe["reason"], "applied": applied,
+            "needed": stock != "correct", "ok": probe["state"] == "correct",
+            "hook_error": rec.get("error"), "why": rec.get("why"),
         }
     return out
 
@@ -580,7 +566,7 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
                            f"has the traceback)")
     broken = [n for n, f in fixes.items() if not f["ok"]]
     if broken:
-        what = "; ".join(f"{FIX_LABELS.get(n, n)}: {fixes[n]['stock']}" for n in broken)
+        what = "; ".join(f"{fixes[n].get('label') or n}: {fixes[n]['stock']}" for n in broken)
         if not hook_on:
             return False, (f"FAIL: vLLM {version} needs the hotfix ({what}) but it is not active in a fresh vLLM "
                            f"process: {_activation_advice(report)}")
@@ -600,7 +586,7 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
         return False, f"FAIL: vLLM {version}: {what}; the hotfix is active but did not apply it ({why}): {advice}"
     parts = []
     for name, f in fixes.items():
-        parts.append(f"{FIX_LABELS.get(name, name)} {'patched by the hotfix' if f['applied'] else 'correct upstream'}")
+        parts.append(f"{f.get('label') or name} {'patched by the hotfix' if f['applied'] else 'correct upstream'}")
     state = "hotfix active" if hook_on else "hotfix not active"
     return True, f"OK: a vLLM {version} started from this environment loads MiniCPM-V 4.6 correctly ({'; '.join(parts)}; {state})"
 
@@ -669,7 +655,7 @@ def rows(report: dict[str, Any]) -> list[dict[str, str]]:
     verdicts = report.get("fixes") or {}
     if verdicts:
         add("decision", "-", f"stock vLLM {child.get('vllm_version')}: "
-            + "; ".join(f"{FIX_LABELS.get(n, n)} {f['stock']}" for n, f in verdicts.items()))
+            + "; ".join(f"{f.get('label') or n} {f['stock']}" for n, f in verdicts.items()))
 
     m = report["mode"]
     add("mode", "WARN" if m["problem"] or m["value"] == "off" else "OK",

@@ -13,7 +13,6 @@ import traceback
 from collections.abc import Callable
 from types import ModuleType
 
-from . import patching, processor_fix
 from .record import FixStatus, current, installed_vllm_version, logger
 
 TARGET_MODULE = "vllm.model_executor.models.minicpmv4_6"
@@ -23,20 +22,25 @@ _installed = False
 
 
 def on_import(module: ModuleType) -> None:
-    """Apply the hotfixes to the freshly imported model module. Never raises: a failure is logged, recorded in the
-    status, and the module is left exactly as vLLM defined it (each fix is transactional). Each fix runs in its own
-    ``try``, so one failing does not stop the other."""
+    """Apply every fix of :data:`vllm_minicpm_hotfix.fixes.REGISTRY`, in order, to the freshly imported model module.
+    Never raises: a failure is logged, recorded in the status, and the module is left exactly as vLLM defined it
+    (each fix is transactional). Each fix runs in its own ``try``, so one failing does not stop the others."""
     status = current()
     try:
         status.module_imported = True
         status.vllm_version = installed_vllm_version()
     except Exception:  # pragma: no cover - the status record itself broken
         pass
-    _guarded(patching.QKV_FIX, patching.apply_qkv_fix, module)
-    _guarded(processor_fix.PROCESSOR_FIX, processor_fix.apply_processor_fix, module)
+    try:
+        from .fixes import REGISTRY, _base
+    except Exception as exc:  # noqa: BLE001 - a broken install must not break vLLM's import
+        logger.warning("vllm-minicpm-hotfix: the fixes could not be imported, vLLM left unpatched: %s", exc)
+        return
+    for fix in REGISTRY:
+        _guarded(fix.NAME, fix.LABEL, lambda m, fix=fix: _base.run(fix, m), module)
 
 
-def _guarded(name: str, apply: Callable[[ModuleType], object], module: ModuleType) -> None:
+def _guarded(name: str, label: str, apply: Callable[[ModuleType], object], module: ModuleType) -> None:
     """Run one fix; record an exception as an ``error`` :class:`FixStatus` under ``name`` and log it."""
     try:
         apply(module)
@@ -45,7 +49,7 @@ def _guarded(name: str, apply: Callable[[ModuleType], object], module: ModuleTyp
             raise
         try:
             current().fixes[name] = FixStatus(
-                name, "error", "", False, "hook failed; vLLM left as it was", f"{type(exc).__name__}: {exc}"
+                name, "error", "", False, "hook failed; vLLM left as it was", f"{type(exc).__name__}: {exc}", label
             )
             logger.warning(
                 "vllm-minicpm-hotfix: the post-import hook failed (%s), vLLM left unpatched: %s\n%s",

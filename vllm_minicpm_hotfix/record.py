@@ -28,6 +28,7 @@ class FixStatus:
     applied: bool
     why: str  #: why it was (not) applied
     error: str | None = None  #: an exception caught inside the hook, if any
+    label: str = ""  #: what the fix repairs, in words (the fix module's LABEL)
 
 
 @dataclasses.dataclass

@@ -286,7 +286,7 @@ def bundle_dir(work) -> Path:
 @pytest.fixture(scope="module")
 def stock_first_error(m46, expected) -> str:
     """What stock vLLM raises first while starting the server here."""
-    from vllm_minicpm_hotfix import processor_fix
+    from vllm_minicpm_hotfix.fixes import processor_mode as processor_fix
 
     if processor_fix.probe(m46).broken:  # transformers >= 5.23: the placeholder count, in the API server
         return DOWNSAMPLE_TYPEERROR
@@ -317,8 +317,8 @@ def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
     (only / "sitecustomize.py").write_text(
         f"import sys\nsys.path.append({str(REPO)!r})\nimport wrapt\n\n"
         "def _processor_fix_only(module):\n"
-        "    from vllm_minicpm_hotfix import processor_fix\n"
-        "    processor_fix.apply_processor_fix(module)\n\n"
+        "    from vllm_minicpm_hotfix.fixes import _base, processor_mode\n"
+        "    _base.run(processor_mode, module)\n\n"
         "wrapt.register_post_import_hook(_processor_fix_only, 'vllm.model_executor.models.minicpmv4_6')\n"
     )
     with serving(sys.executable, clean_env(PYTHONPATH=str(only)), tmp_path, "processor-only") as server:

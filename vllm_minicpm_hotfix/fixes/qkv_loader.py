@@ -15,6 +15,15 @@ vLLM 0.22-0.24), with two additions vLLM lacks: every q/k/v shard must arrive ex
 from its "weights not initialized" check, so a missing shard would otherwise stay silently random), and every name must
 match a parameter.
 
+The decision: :func:`probe` runs vLLM's own top-level ``load_weights`` on a stand-in model -- instances of vLLM's real
+classes (``MiniCPMV4_6ForConditionalGeneration``, ``MiniCPMV4_6ViTWindowAttentionSelfAttn``, ``QKVParallelLinear``)
+created without their ``__init__``, so no distributed state, config or device is needed -- whose parameters record
+what their weight loader is handed. It feeds the six q/k/v tensor names of the real checkpoint (in the sorted order
+safetensors yields them) and checks that each one reached ``qkv_proj.{weight,bias}`` as the right shard with its own
+values. That one path covers every way vLLM has packed these tensors: the hand-written loop of 0.22-0.24, the
+self-attention ``WeightsMapper`` of 0.25-0.29 (``qkqkv_proj`` / ``k_proj`` errors), the top-level stacked mapper of
+0.30+ and 0.32's ``_stack_vit_merger_qkv``, and main builds that stacked nothing at all.
+
 Nothing here imports vLLM or torch at import time; they are imported on first use.
 """
 
@@ -23,7 +32,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterable, Iterator
+from types import ModuleType
 from typing import Any
+
+from ..decision import State, Verdict
+from . import _base
+
+NAME = "qkv_loader"
+LABEL = "vit_merger q/k/v loader"
+MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
+ATTN_CLASS = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
+SETS = (f"{ATTN_CLASS}.load_weights", f"{MODEL_CLASS}.load_weights")
 
 #: Checkpoint module name -> ``QKVParallelLinear`` shard id.
 SHARD_IDS: dict[str, str] = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
@@ -31,9 +50,8 @@ SHARD_IDS: dict[str, str] = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 FUSED = "qkv_proj"
 _ALL_SHARDS = frozenset(SHARD_IDS.values())
 
-# Attribute names this module keeps on patched objects.
+# Attribute this module keeps on loaded self-attention modules.
 _EVER_LOADED_ATTR = "_vllm_minicpm_hotfix_qkv_complete"
-MARKER_ATTR = "__vllm_minicpm_hotfix__"
 
 
 class QKVLoadError(ValueError):
@@ -281,9 +299,6 @@ def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
     return loaded
 
 
-setattr(load_weights, MARKER_ATTR, "qkv_loader")
-
-
 def wrap_model_load_weights(original: Any, attn_cls: type) -> Any:
     """Wrap ``MiniCPMV4_6ForConditionalGeneration.load_weights`` so q/k/v completeness is judged per model load.
 
@@ -309,6 +324,141 @@ def wrap_model_load_weights(original: Any, attn_cls: type) -> Any:
             )
         return loaded
 
-    setattr(load_weights, MARKER_ATTR, "model_load_weights")
     load_weights.__wrapped__ = original
     return load_weights
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The probe
+# --------------------------------------------------------------------------------------------------------------------
+
+#: Checkpoint names fed to the probe, in the order safetensors yields them (sorted).
+PROBE_NAMES = tuple(
+    sorted(f"model.vision_tower.vit_merger.self_attn.{p}_proj.{s}" for p in "qkv" for s in ("weight", "bias"))
+)
+
+
+def recognise_layout(module: ModuleType) -> str | None:
+    """None if ``module`` has the layout the fix targets; else why not (one line)."""
+    model_cls = getattr(module, MODEL_CLASS, None)
+    attn_cls = getattr(module, ATTN_CLASS, None)
+    if not isinstance(model_cls, type) or not isinstance(attn_cls, type):
+        return f"{module.__name__} has no {MODEL_CLASS} / {ATTN_CLASS}"
+    init = getattr(attn_cls.__init__, "__code__", None)
+    if init is None or "qkv_proj" not in init.co_names:
+        return f"{ATTN_CLASS} in {module.__name__} does not build a fused qkv_proj"
+    if not callable(getattr(model_cls, "load_weights", None)):
+        return f"{MODEL_CLASS} in {module.__name__} has no load_weights"
+    return None
+
+
+class _Recorder:
+    """A parameter's ``weight_loader`` that records ``(parameter, shard id, tensor)`` instead of copying."""
+
+    def __init__(self, calls: list, param_name: str) -> None:
+        self.calls = calls
+        self.param_name = param_name
+
+    def __call__(self, param: Any, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
+        self.calls.append((self.param_name, loaded_shard_id, loaded_weight.clone()))
+
+
+def _stand_in_model(module: ModuleType, calls: list) -> Any:
+    import torch
+    from torch import nn
+
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    def bare(cls: type) -> Any:
+        obj = cls.__new__(cls)
+        nn.Module.__init__(obj)
+        return obj
+
+    def param(shape: tuple[int, ...], name: str, **attrs: Any) -> nn.Parameter:
+        p = nn.Parameter(torch.zeros(shape), requires_grad=False)
+        p.weight_loader = _Recorder(calls, name)
+        for k, v in attrs.items():
+            setattr(p, k, v)
+        return p
+
+    qkv = bare(QKVParallelLinear)
+    qkv.prefix = "vit_merger.self_attn.qkv_proj"
+    qkv.weight = param((3, 1), "qkv_proj.weight", output_dim=0, input_dim=1)
+    qkv.bias = param((3,), "qkv_proj.bias", output_dim=0)
+    out = nn.Module()
+    out.weight = param((1, 1), "out_proj.weight")
+    out.bias = param((1,), "out_proj.bias")
+    attn = bare(getattr(module, ATTN_CLASS))
+    attn.qkv_proj = qkv
+    attn.out_proj = out
+    merger = nn.Module()
+    merger.self_attn = attn
+    model = bare(getattr(module, MODEL_CLASS))
+    model.vit_merger = merger
+    return model
+
+
+def probe(module: ModuleType, loader: Any = None) -> Verdict:
+    """Run vLLM's own top-level ``load_weights`` on a stand-in model and judge where the split q/k/v tensors land.
+
+    Args:
+        module: the imported ``vllm.model_executor.models.minicpmv4_6``.
+        loader: the top-level ``load_weights`` to probe; default ``MiniCPMV4_6ForConditionalGeneration.load_weights``.
+
+    Returns:
+        ``BROKEN`` if vLLM raises (e.g. ``There is no module or parameter named 'k_proj'``) or routes any tensor to
+        the wrong parameter or shard; ``CORRECT`` if all six reach ``qkv_proj.{weight,bias}`` once each as shards
+        q, k, v with their own values; ``UNRECOGNISED`` / ``UNDETERMINED`` if the layout is not the one this fix
+        targets or the probe could not run. Never raises; leaves ``module`` unchanged. Costs a few milliseconds.
+    """
+    why = recognise_layout(module)
+    if why is not None:
+        return Verdict(State.UNRECOGNISED, why)
+    try:
+        import torch
+
+        calls: list = []
+        model = _stand_in_model(module, calls)
+        values = {name: float(i + 1) for i, name in enumerate(PROBE_NAMES)}
+        weights = [
+            (name, torch.full((1,) if name.endswith("bias") else (1, 1), value)) for name, value in values.items()
+        ]
+        loader = loader or getattr(module, MODEL_CLASS).load_weights
+    except Exception as exc:  # an unknown layout of vLLM's own classes
+        return Verdict(State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
+    try:
+        loader(model, iter(weights))
+    except (ValueError, KeyError, RuntimeError, AssertionError) as exc:
+        return Verdict(State.BROKEN, f"vLLM's own load_weights fails on the split q/k/v: {type(exc).__name__}: {exc}")
+    except Exception as exc:
+        return Verdict(State.UNDETERMINED, f"probe failed inside vLLM's load_weights: {type(exc).__name__}: {exc}")
+
+    got = sorted((p, str(s), float(t.flatten()[0])) for p, s, t in calls)
+    want = sorted(
+        (f"qkv_proj.{name.rsplit('.', 1)[1]}", name.rsplit(".", 2)[1][0], value) for name, value in values.items()
+    )
+    if got == want:
+        return Verdict(State.CORRECT, "vLLM's own load_weights packs the split q/k/v into qkv_proj correctly")
+    return Verdict(
+        State.BROKEN,
+        f"vLLM's own load_weights routes the split q/k/v wrongly: expected (param, shard, value) {want}, got {got}",
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Apply
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def apply(module: ModuleType) -> None:
+    """Attach :func:`load_weights` to ``MiniCPMV4_6ViTWindowAttentionSelfAttn`` and wrap
+    ``MiniCPMV4_6ForConditionalGeneration.load_weights`` (:func:`wrap_model_load_weights`), all or nothing."""
+    model_cls = getattr(module, MODEL_CLASS)
+    attn_cls = getattr(module, ATTN_CLASS)
+    _base.set_attributes(
+        NAME,
+        [
+            (attn_cls, "load_weights", lambda _: load_weights),
+            (model_cls, "load_weights", lambda original: wrap_model_load_weights(original, attn_cls)),
+        ],
+    )

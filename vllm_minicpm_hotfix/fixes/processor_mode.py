@@ -55,28 +55,27 @@ probe found vLLM correct or could not tell (the wrapper only adds the argument w
 that passes it the patch is a no-op). ``force`` does *not* patch where transformers' methods lack the parameter or
 vLLM's layout is unknown: there the wrapper could only do nothing or raise, and vLLM is better left exactly as shipped.
 
-Public: :func:`apply_processor_fix` (called by the post-import hook), :func:`revert_processor_fix` (tests),
-:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, :func:`probe`,
+:func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import inspect
 from types import ModuleType
 from typing import Any
 
-from . import decision
-from .patching import revert_fix, run_fix, set_attributes
-from .qkv_loader import MARKER_ATTR
-from .record import FixStatus
+from .. import decision
+from ..decision import Verdict
+from . import _base
 
-PROCESSOR_FIX = "processor_downsample_mode"
-
+NAME = "processor_downsample_mode"
+LABEL = "image placeholder count (downsample_mode)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 METHOD = "_compute_visual_tokens"
+SETS = (f"{INFO_CLASS}.{METHOD}",)
 #: transformers' image-processor methods vLLM calls without the mode.
 TARGETS = ("find_best_resize", "get_refine_size")
 PARAM = "downsample_mode"
@@ -88,8 +87,6 @@ TRANSFORMERS_CLASSES = (
 #: (width, height) fed to vLLM's method by the probe: unsliced (find_best_resize with allow_upscale) and sliced
 #: (find_best_resize + get_refine_size) at the class default scale_resolution 448.
 PROBE_SIZES = ((64, 48), (1344, 896))
-
-_MARKER = "processor_downsample_mode"
 
 # vLLM's ImageSize is a NamedTuple(width, height); its body only reads .width / .height.
 _ImageSize = collections.namedtuple("_ImageSize", "width height")
@@ -198,7 +195,6 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
         bound.arguments[first] = _InfoView(self, mode)
         return original(*bound.args, **bound.kwargs)
 
-    setattr(_compute_visual_tokens, MARKER_ATTR, _MARKER)
     _compute_visual_tokens.__vllm_minicpm_hotfix_original__ = original
     return _compute_visual_tokens
 
@@ -206,18 +202,6 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
 # --------------------------------------------------------------------------------------------------------------------
 # The probe.
 # --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeResult:
-    state: decision.State
-    reason: str
-    #: transformers' methods take ``downsample_mode`` and vLLM's layout is recognised: patching is safe.
-    applicable: bool
-
-    @property
-    def broken(self) -> bool:
-        return self.state is decision.State.BROKEN
 
 
 def transformers_image_processor_classes() -> list[type]:
@@ -262,6 +246,7 @@ class _RecordingImageProcessor:
         if name not in TARGETS:
             return attr
 
+        @functools.wraps(attr)  # keeps the real signature visible (inspect.signature follows __wrapped__)
         def record(*args: Any, **kwargs: Any) -> Any:
             passed = PARAM in kwargs
             if not passed:
@@ -275,28 +260,28 @@ class _RecordingImageProcessor:
         return record
 
 
-def probe(module: ModuleType) -> ProbeResult:
+def probe(module: ModuleType) -> Verdict:
     """Decide whether vLLM's placeholder count omits a ``downsample_mode`` the installed transformers needs.
 
     Args:
         module: the imported ``vllm.model_executor.models.minicpmv4_6``.
 
     Returns:
-        A :class:`ProbeResult` (see the module docstring for the states). Never raises; leaves ``module`` and
-        transformers unchanged. Costs well under a millisecond plus the import of transformers' 4.6 image-processor
+        A :class:`~vllm_minicpm_hotfix.decision.Verdict` (see the module docstring for the states). Never raises;
+        leaves ``module`` and transformers unchanged. Costs well under a millisecond plus the import of transformers' 4.6 image-processor
         modules (already imported by vLLM in practice).
     """
     info_cls = getattr(module, INFO_CLASS, None)
     if not isinstance(info_cls, type) or not callable(getattr(info_cls, METHOD, None)):
-        return ProbeResult(
+        return Verdict(
             decision.State.UNRECOGNISED, f"{module.__name__} has no {INFO_CLASS}.{METHOD}", applicable=False
         )
     try:
         classes = transformers_image_processor_classes()
     except Exception as exc:  # pragma: no cover - importlib itself failing
-        return ProbeResult(decision.State.UNDETERMINED, f"transformers not inspectable: {exc!r}", applicable=False)
+        return Verdict(decision.State.UNDETERMINED, f"transformers not inspectable: {exc!r}", applicable=False)
     if not classes:
-        return ProbeResult(
+        return Verdict(
             decision.State.UNRECOGNISED,
             "the installed transformers has no MiniCPM-V 4.6 image processor (needs transformers >= 5.7)",
             applicable=False,
@@ -304,7 +289,7 @@ def probe(module: ModuleType) -> ProbeResult:
     taking = [(cls, takes_mode(cls)) for cls in classes]
     taking = [(cls, t) for cls, t in taking if t]
     if not taking:
-        return ProbeResult(
+        return Verdict(
             decision.State.CORRECT,
             f"not needed: transformers' {'/'.join(c.__name__ for c in classes)}.find_best_resize/get_refine_size "
             f"take no {PARAM}",
@@ -321,10 +306,9 @@ def probe(module: ModuleType) -> ProbeResult:
         # An instance attribute shadows the class's get_image_processor on this throw-away object only.
         info.__dict__["get_image_processor"] = lambda *a, **k: recorder
         original = getattr(info_cls, METHOD)
-        original = getattr(original, "__vllm_minicpm_hotfix_original__", original)
         method_takes_mode = PARAM in inspect.signature(original).parameters
     except Exception as exc:
-        return ProbeResult(
+        return Verdict(
             decision.State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}", applicable=True
         )
     try:
@@ -333,109 +317,46 @@ def probe(module: ModuleType) -> ProbeResult:
             original(info, _ImageSize(width, height), None, **kwargs)
     except TypeError as exc:
         if PARAM in str(exc):
-            return ProbeResult(
+            return Verdict(
                 decision.State.BROKEN,
                 f"vLLM's {INFO_CLASS}.{METHOD} calls transformers' {described} without it: "
                 f"TypeError: {exc}",
                 applicable=True,
             )
-        return ProbeResult(
+        return Verdict(
             decision.State.UNDETERMINED, f"probe failed inside vLLM's {METHOD}: TypeError: {exc}", applicable=True
         )
     except Exception as exc:
-        return ProbeResult(
+        return Verdict(
             decision.State.UNDETERMINED,
             f"probe failed inside vLLM's {METHOD}: {type(exc).__name__}: {exc}",
             applicable=True,
         )
     missing = sorted({name for name, passed in calls if not passed and name in kinds})
     if missing:
-        return ProbeResult(
+        return Verdict(
             decision.State.BROKEN,
             f"vLLM's {INFO_CLASS}.{METHOD} calls {', '.join(missing)} without {PARAM}; transformers' {described} "
             f"then rounds every image with its default mode, so '4x' counts are misaligned",
             applicable=True,
         )
     if not calls:
-        return ProbeResult(
+        return Verdict(
             decision.State.UNDETERMINED,
             f"vLLM's {METHOD} never called {'/'.join(TARGETS)} on the probe sizes",
             applicable=True,
         )
-    return ProbeResult(
+    return Verdict(
         decision.State.CORRECT, f"not needed: vLLM's {METHOD} passes {PARAM} itself ({described})", applicable=True
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    apply: bool
-    why: str
-
-
-def decide(mode: decision.Mode, result: ProbeResult) -> Decision:
-    """Combine the mode and the probe: ``force`` applies only where :attr:`ProbeResult.applicable`."""
-    env = decision.ENV_VAR
-    if mode is decision.Mode.OFF:
-        return Decision(False, f"{env}=off")
-    if result.state is decision.State.UNRECOGNISED:
-        return Decision(False, f"layout not recognised, vLLM left untouched: {result.reason}")
-    if not result.applicable:
-        suffix = f" ({env}=force does not apply it here: transformers' methods lack {PARAM})" if (
-            mode is decision.Mode.FORCE
-        ) else ""
-        return Decision(False, f"{result.reason}{suffix}")
-    if mode is decision.Mode.FORCE:
-        return Decision(True, f"{env}=force (verdict: {result.state.value})")
-    if result.state is decision.State.BROKEN:
-        return Decision(True, f"vLLM's placeholder count omits the {PARAM} the installed transformers takes")
-    if result.state is decision.State.CORRECT:
-        return Decision(False, result.reason)
-    return Decision(
-        False,
-        f"could not tell whether vLLM's placeholder count needs {PARAM} ({result.reason}); vLLM left untouched, "
-        f"set {env}=force to apply the fix anyway",
-    )
-
-
 # --------------------------------------------------------------------------------------------------------------------
-# Apply / revert: transactional, idempotent.
+# Apply
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def is_patched(info_cls: type) -> bool:
-    return getattr(info_cls.__dict__.get(METHOD), MARKER_ATTR, None) == _MARKER
-
-
-def _apply(module: ModuleType) -> None:
+def apply(module: ModuleType) -> None:
+    """Wrap ``module``'s ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens`` (:func:`wrap_compute_visual_tokens`)."""
     info_cls = getattr(module, INFO_CLASS)
-    set_attributes(PROCESSOR_FIX, [(info_cls, METHOD, wrap_compute_visual_tokens)])
-
-
-def revert_processor_fix(module: ModuleType | None = None) -> bool:
-    """Restore what :func:`apply_processor_fix` set (in ``module`` only, if given). Returns whether anything was set.
-
-    Marks the status record's ``processor_downsample_mode`` entry as not applied (``why="reverted"``)."""
-    return revert_fix(PROCESSOR_FIX, module)
-
-
-def apply_processor_fix(module: ModuleType) -> FixStatus:
-    """Probe, decide and, if so decided, wrap ``module``'s ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens``.
-
-    Records the outcome as ``current().fixes["processor_downsample_mode"]`` and returns it. Idempotent: a class
-    already patched is reported as such and left alone. Raises only what the patching itself raises (the caller, the
-    post-import hook, catches and logs it); the class is then left exactly as it was.
-    """
-    info_cls = getattr(module, INFO_CLASS, None)
-    return run_fix(
-        PROCESSOR_FIX,
-        module,
-        label="image placeholder count (downsample_mode)",
-        already_patched=isinstance(info_cls, type) and is_patched(info_cls),
-        probe=lambda: probe(module),
-        decide=decide,
-        apply=lambda: _apply(module),
-    )
-
-
-__all__ = ["PROCESSOR_FIX", "apply_processor_fix", "revert_processor_fix", "probe", "ProbeResult", "decide"]
+    _base.set_attributes(NAME, [(info_cls, METHOD, wrap_compute_visual_tokens)])

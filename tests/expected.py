@@ -1,0 +1,95 @@
+"""What each environment of the run must show: written down once, asserted on the vLLM that is installed.
+
+Keyed by fix first (``fixes.REGISTRY`` NAMEs), then by environment ``(vLLM release, transformers version)``, so that a
+new fix adds one block. The value is the verdict the fix's ``probe`` returns on *stock* vLLM there. Every fix of the
+registry must have a block and every environment of the run a row in it: :func:`verdict` fails (never skips) on an
+environment or a fix the table does not know -- a new vLLM or transformers that changes a verdict must be measured
+and added, not passed over.
+"""
+
+from __future__ import annotations
+
+ATTN = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
+
+#: The environments of the run: (vLLM release, transformers version), as locks/*.txt pin them.
+ENVIRONMENTS = (
+    ("0.22.1", "5.24.0"),
+    ("0.23.0", "5.24.0"),
+    ("0.24.0", "5.24.0"),
+    ("0.26.0", "5.24.0"),
+    ("0.28.0", "5.24.0"),
+    ("0.28.0", "5.20.0"),
+    ("0.30.0", "5.24.0"),
+    ("0.32.0", "5.19.0"),
+    ("0.33.0", "5.20.2"),
+)
+
+#: fix NAME -> environment -> verdict of the fix's probe on stock vLLM.
+VERDICTS: dict[str, dict[tuple[str, str], str]] = {
+    "qkv_loader": {
+        ("0.22.1", "5.24.0"): "correct",
+        ("0.23.0", "5.24.0"): "correct",
+        ("0.24.0", "5.24.0"): "correct",
+        ("0.26.0", "5.24.0"): "broken",
+        ("0.28.0", "5.24.0"): "broken",
+        ("0.28.0", "5.20.0"): "broken",
+        ("0.30.0", "5.24.0"): "correct",
+        ("0.32.0", "5.19.0"): "correct",
+        ("0.33.0", "5.20.2"): "correct",
+    },
+    "processor_downsample_mode": {
+        # transformers >= 5.23 takes a required downsample_mode that 0.22-0.30 do not pass; 0.31+ pin it below 5.23.
+        ("0.22.1", "5.24.0"): "broken",
+        ("0.23.0", "5.24.0"): "broken",
+        ("0.24.0", "5.24.0"): "broken",
+        ("0.26.0", "5.24.0"): "broken",
+        ("0.28.0", "5.24.0"): "broken",
+        ("0.28.0", "5.20.0"): "correct",
+        ("0.30.0", "5.24.0"): "broken",
+        ("0.32.0", "5.19.0"): "correct",
+        ("0.33.0", "5.20.2"): "correct",
+    },
+}
+
+#: vLLM release -> the error stock vLLM raises loading a 4.6 checkpoint (None: it loads).
+STOCK_LOAD_ERROR: dict[str, str | None] = {
+    "0.22.1": None,
+    "0.23.0": None,
+    "0.24.0": None,
+    "0.26.0": f"There is no module or parameter named 'qkqkv_proj' in {ATTN}",
+    "0.28.0": f"There is no module or parameter named 'k_proj' in {ATTN}",
+    "0.30.0": None,
+    "0.32.0": None,
+    "0.33.0": None,
+}
+
+
+class UnknownEnvironment(LookupError):
+    pass
+
+
+def installed_environment() -> tuple[str, str]:
+    """``(vLLM release without the local part, transformers version)`` of this interpreter."""
+    import transformers
+    import vllm
+
+    return vllm.__version__.split("+")[0], transformers.__version__
+
+
+def verdict(fix: str, env: tuple[str, str]) -> str:
+    """The pinned stock verdict of ``fix`` in ``env``. Raises :class:`UnknownEnvironment` naming what to measure."""
+    if env not in ENVIRONMENTS:
+        raise UnknownEnvironment(
+            f"vLLM {env[0]} with transformers {env[1]} is not an environment of tests/expected.py: measure it and add "
+            f"it to ENVIRONMENTS and to every fix's block of VERDICTS"
+        )
+    block = VERDICTS.get(fix)
+    if block is None or env not in block:
+        raise UnknownEnvironment(f"tests/expected.py VERDICTS has no verdict of fix {fix!r} for {env}: measure it")
+    return block[env]
+
+
+def stock_load_error(release: str) -> str | None:
+    if release not in STOCK_LOAD_ERROR:
+        raise UnknownEnvironment(f"vLLM {release} is not in tests/expected.py STOCK_LOAD_ERROR: measure it and add it")
+    return STOCK_LOAD_ERROR[release]

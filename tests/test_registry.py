@@ -1,0 +1,85 @@
+"""The registry of fixes against the installed vLLM: every fix has the interface, every fix's verdict on stock vLLM is
+the one tests/expected.py pins for this environment, and the post-import hook runs exactly the registry."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import expected as table
+import pytest
+
+import vllm_minicpm_hotfix
+from vllm_minicpm_hotfix import decision, hook, record
+from vllm_minicpm_hotfix.fixes import REGISTRY, _base, by_name, names
+
+
+def test_every_fix_has_the_interface():
+    assert len(set(names())) == len(REGISTRY), names()
+    for fix in REGISTRY:
+        assert isinstance(fix.NAME, str) and fix.NAME.isidentifier(), fix
+        assert isinstance(fix.LABEL, str) and fix.LABEL, fix
+        assert isinstance(fix.SETS, tuple) and fix.SETS and all(isinstance(t, str) for t in fix.SETS), fix
+        assert callable(fix.probe) and callable(fix.apply), fix
+        assert by_name(fix.NAME) is fix
+    with pytest.raises(KeyError, match="no fix named"):
+        by_name("nope")
+
+
+@pytest.mark.parametrize("name", names())
+def test_stock_verdict_is_pinned(m46, environment, name):
+    """The probe on stock vLLM gives the verdict tests/expected.py pins here (a fix or an environment missing from the
+    table fails)."""
+    try:
+        want = table.verdict(name, environment)
+    except table.UnknownEnvironment as exc:
+        pytest.fail(str(exc))
+    got = by_name(name).probe(m46)
+    print(f"\n{name} on vLLM {environment[0]} + transformers {environment[1]}: {got.state.value}: {got.reason}")
+    assert got.state.value == want, got
+
+
+@pytest.mark.parametrize("name", names())
+def test_probe_after_apply_says_correct(m46, environment, name):
+    """Where a fix applies (force), its own probe re-run on the patched classes answers ``correct``: what doctor uses
+    to verify the patched code in a fresh vLLM process."""
+    fix = by_name(name)
+    old = os.environ.get(decision.ENV_VAR)
+    os.environ[decision.ENV_VAR] = "force"
+    record._STATUS = None
+    try:
+        entry = _base.run(fix, m46)
+        if entry.applied:
+            assert _base.is_patched(fix, m46)
+            after = fix.probe(m46)
+            assert after.state is decision.State.CORRECT, after
+        else:
+            assert not _base.is_patched(fix, m46)
+    finally:
+        _base.revert(m46)
+        record._STATUS = None
+        if old is None:
+            os.environ.pop(decision.ENV_VAR, None)
+        else:
+            os.environ[decision.ENV_VAR] = old
+
+
+def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment):
+    old = os.environ.pop(decision.ENV_VAR, None)
+    record._STATUS = None
+    try:
+        hook.on_import(m46)
+        st = vllm_minicpm_hotfix.status()
+        json.dumps(st)
+        assert list(st["fixes"]) == names()
+        for name, entry in st["fixes"].items():
+            want = table.verdict(name, environment)
+            assert entry["verdict"] == want, entry
+            assert entry["applied"] is (want == "broken"), entry
+            assert entry["label"] == by_name(name).LABEL
+            assert _base.is_patched(by_name(name), m46) is entry["applied"]
+    finally:
+        _base.revert(m46)
+        record._STATUS = None
+        if old is not None:
+            os.environ[decision.ENV_VAR] = old

@@ -1,0 +1,37 @@
+"""The fixes, one module each, and the one registry that drives them.
+
+Every module listed in :data:`REGISTRY` has the interface described in :mod:`vllm_minicpm_hotfix.fixes._base`
+(``NAME``, ``LABEL``, ``SETS``, ``probe(module)``, ``apply(module)``). The post-import hook runs them in this order,
+each guarded on its own; ``status()``, ``doctor``, ``verify``, the tests and the README release table iterate over
+the same tuple. Adding a fix is adding a module and a line here.
+
+Importing this package imports the fix modules, but none of them imports vLLM, torch or transformers at import time.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import processor_mode, qkv_loader
+
+#: The fixes, in the order the post-import hook applies them.
+REGISTRY: tuple[ModuleType, ...] = (
+    qkv_loader,
+    processor_mode,
+)
+
+
+def by_name(name: str) -> ModuleType:
+    """The fix module whose ``NAME`` is ``name``. Raises ``KeyError`` naming the known fixes."""
+    for fix in REGISTRY:
+        if fix.NAME == name:
+            return fix
+    raise KeyError(f"no fix named {name!r}; known: {[f.NAME for f in REGISTRY]}")
+
+
+def names() -> list[str]:
+    """Every fix's ``NAME``, in registry order."""
+    return [fix.NAME for fix in REGISTRY]
+
+
+__all__ = ["REGISTRY", "by_name", "names"]
