@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""The test run's figures: one place that reads what scripts/test produced and writes what README quotes.
+
+    python3 scripts/results.py summarize OUT --releases SPEC... --wall SECONDS [--record docs/results]
+    python3 scripts/results.py readme [--check]
+
+``summarize`` reads, per environment, the JUnit XML, the exit status, the wall time and the report
+(``VLLM_MINICPM_HOTFIX_REPORT``: versions and every fix's verdict) that scripts/test left in ``OUT``; prints one line
+per environment and the total ``N passed, N failed, N skipped``; exits 1 if anything failed, was skipped, crashed
+(pytest died before writing its report) or did not build. With ``--record DIR`` it also writes ``DIR/test-run.json``
+and ``DIR/test-run.md`` (dated, with the commit measured), which README quotes.
+
+``readme`` re-renders README.md's generated sections (between ``<!-- results:NAME -->`` and ``<!-- /results:NAME
+-->``) from ``docs/results/test-run.json``; ``--check`` only says whether README is up to date (exit 1 if not).
+Standard library only: it runs with the machine's own python3, outside the test environments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+README = REPO / "README.md"
+
+
+def tag_of(spec: str) -> str:
+    rel, _, opt = spec.partition(":")
+    return f"{rel}-{opt}" if opt else rel
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def collect(out: Path, specs: list[str]) -> list[dict]:
+    """One record per environment: counts, failures, skips, crash, seconds, versions, verdicts."""
+    rows = []
+    for spec in specs:
+        tag = tag_of(spec)
+        row: dict = {"environment": spec, "passed": 0, "failed": 0, "skipped": 0, "problems": [], "failures": [],
+                     "skips": []}
+        if (out / f"{tag}.failed").exists():
+            row["problems"].append("environment build failed")
+            row["failed"] += 1
+            rows.append(row)
+            continue
+        rc = _read(out / f"{tag}.rc")
+        seconds = _read(out / f"{tag}.seconds")
+        row["seconds"] = int(seconds) if seconds and seconds.isdigit() else None
+        xml = out / f"{tag}.xml"
+        if xml.exists():
+            try:
+                root = ET.parse(xml).getroot()
+            except ET.ParseError as exc:
+                root = None
+                row["problems"].append(f"unreadable JUnit report: {exc}")
+            if root is not None:
+                suite = root if root.tag == "testsuite" else root.find("testsuite")
+                for case in suite.iter("testcase"):
+                    name = f"{case.get('classname', '')}::{case.get('name', '')}"
+                    if case.find("failure") is not None or case.find("error") is not None:
+                        row["failed"] += 1
+                        row["failures"].append(name)
+                    elif case.find("skipped") is not None:
+                        row["skipped"] += 1
+                        msg = case.find("skipped").get("message", "")
+                        row["skips"].append(f"{name}: {msg}")
+                    else:
+                        row["passed"] += 1
+        else:
+            row["problems"].append("pytest wrote no report (it crashed or was killed)")
+        # pytest: 0 all passed, 1 tests failed; anything else (2 interrupted, 3 internal error, 4 usage, 5 no tests,
+        # 124/137 the runner's timeout) means the session did not complete: a failure of its own.
+        if rc not in ("0", "1"):
+            row["problems"].append(f"pytest exited {rc if rc is not None else '(no exit status)'}")
+        if row["problems"]:
+            row["failed"] += 1
+        report = out / f"{tag}.json"
+        if report.exists():
+            info = json.loads(report.read_text())
+            row.update({k: info.get(k) for k in ("vllm", "torch", "transformers", "python")})
+            row["verdicts"] = {name: v["verdict"] for name, v in (info.get("fixes") or {}).items()}
+            row["labels"] = {name: v.get("label", name) for name, v in (info.get("fixes") or {}).items()}
+        rows.append(row)
+    return rows
+
+
+def summary_lines(rows: list[dict], wall: int | None) -> list[str]:
+    lines = ["=============================== summary ==============================="]
+    for row in rows:
+        env = row["environment"]
+        versions = (f"vLLM {row.get('vllm', env)} (torch {row.get('torch', '?')}, transformers "
+                    f"{row.get('transformers', '?')}, Python {row.get('python', '?')})")
+        verdicts = ", ".join(f"{k} {v}" for k, v in (row.get("verdicts") or {}).items()) or "verdicts unknown"
+        secs = f"{row['seconds']} s" if row.get("seconds") is not None else "-"
+        lines.append(f"{env:<18} {versions}: {verdicts}; {row['passed']} passed, {row['failed']} failed, "
+                     f"{row['skipped']} skipped; {secs}")
+        for p in row["problems"]:
+            lines.append(f"    PROBLEM: {p}")
+        for f in row["failures"]:
+            lines.append(f"    FAILED: {f}")
+        for s in row["skips"]:
+            lines.append(f"    SKIPPED (counts as a failure of the run): {s}")
+    if wall is not None:
+        lines.append(f"wall time of the whole run: {wall // 60} min {wall % 60} s")
+    p = sum(r["passed"] for r in rows)
+    f = sum(r["failed"] for r in rows)
+    s = sum(r["skipped"] for r in rows)
+    lines.append(f"{p} passed, {f} failed, {s} skipped")
+    return lines
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("+uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def record(rows: list[dict], wall: int | None, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    data = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "wall_seconds": wall,
+        "passed": sum(r["passed"] for r in rows),
+        "failed": sum(r["failed"] for r in rows),
+        "skipped": sum(r["skipped"] for r in rows),
+        "environments": rows,
+    }
+    (dest / "test-run.json").write_text(json.dumps(data, indent=1) + "\n")
+    (dest / "test-run.md").write_text(render_run(data) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What README quotes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def render_run(data: dict) -> str:
+    wall = data.get("wall_seconds")
+    head = (f"`scripts/test --record` at commit `{data['commit']}`, {data['date']}: **{data['passed']} passed, "
+            f"{data['failed']} failed, {data['skipped']} skipped**"
+            + (f" in {wall // 60} min {wall % 60} s" if wall is not None else "") + ".")
+    rows = ["| environment | vLLM | transformers | Python | passed | failed | skipped | minutes |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in data["environments"]:
+        mins = f"{r['seconds'] / 60:.1f}" if r.get("seconds") is not None else "-"
+        rows.append(f"| {r['environment']} | {r.get('vllm', '?')} | {r.get('transformers', '?')} | "
+                    f"{r.get('python', '?')} | {r['passed']} | {r['failed']} | {r['skipped']} | {mins} |")
+    return head + "\n\n" + "\n".join(rows)
+
+
+def render_verdicts(data: dict) -> str:
+    """Environment x fix: the verdict of the fix's probe on stock vLLM there (auto applies the fix where broken)."""
+    envs = [r for r in data["environments"] if r.get("verdicts")]
+    fixes: list[str] = []
+    labels: dict[str, str] = {}
+    for r in envs:
+        for name in r["verdicts"]:
+            if name not in fixes:
+                fixes.append(name)
+            labels.setdefault(name, (r.get("labels") or {}).get(name, name))
+    head = "| vLLM (transformers) | " + " | ".join(f"`{n}`" for n in fixes) + " |"
+    sep = "|---|" + "---|" * len(fixes)
+    lines = [head, sep]
+    mark = {"broken": "**broken → patched**", "correct": "correct", "unrecognised": "n/a", "undetermined": "?"}
+    for r in envs:
+        cells = [mark.get(r["verdicts"].get(n, ""), r["verdicts"].get(n, "-")) for n in fixes]
+        lines.append(f"| {r.get('vllm', r['environment']).split('+')[0]} ({r.get('transformers', '?')}) | "
+                     + " | ".join(cells) + " |")
+    legend = "; ".join(f"`{n}`: {labels[n]}" for n in fixes)
+    return "\n".join(lines) + f"\n\nFixes: {legend}. Measured by `scripts/test --record` at commit `{data['commit']}`, {data['date']}."
+
+
+SECTIONS = {"run": render_run, "verdicts": render_verdicts}
+
+
+def render_readme(text: str, data: dict) -> str:
+    for name, render in SECTIONS.items():
+        pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(\n<!-- /results:{name} -->)", re.S)
+        text = pattern.sub(lambda m: m.group(1) + render(data) + m.group(2), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("summarize")
+    s.add_argument("out", type=Path)
+    s.add_argument("--releases", nargs="+", required=True)
+    s.add_argument("--wall", type=int)
+    s.add_argument("--record", type=Path)
+    r = sub.add_parser("readme")
+    r.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "summarize":
+        rows = collect(args.out, args.releases)
+        print("\n".join(summary_lines(rows, args.wall)))
+        if args.record:
+            record(rows, args.wall, args.record)
+            print(f"recorded in {args.record}/test-run.json and test-run.md; `python3 scripts/results.py readme` "
+                  f"updates README.md")
+        bad = any(r["failed"] or r["skipped"] for r in rows) or not sum(r["passed"] for r in rows)
+        return 1 if bad else 0
+
+    data = json.loads((RESULTS / "test-run.json").read_text())
+    text = README.read_text()
+    new = render_readme(text, data)
+    if args.check:
+        if new != text:
+            print("README.md's generated sections differ from docs/results/test-run.json: run "
+                  "`python3 scripts/results.py readme`")
+            return 1
+        return 0
+    README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
