@@ -39,10 +39,15 @@ STAMP = ".complete"
 #: The i-th raylet announces 127.0.0.(2+i); the head is the first.
 HEAD_IP = "127.0.0.2"
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
-#: Ray settings for every raylet: no usage stats, and no idle Python workers started ahead of need (by default
-#: each raylet prestarts workers when a driver connects: a wasted interpreter per node and job on 2 cores).
+#: Ray settings for every raylet: no usage stats; no idle Python workers started ahead of need (by default each
+#: raylet prestarts workers when a driver connects: a wasted interpreter per node and job on 2 cores); the workers of
+#: concurrent jobs started at once (the default is one at a time per CPU of the raylet); and workers at the normal
+#: priority (Ray runs them at nice 15). With the kernel's autogroup scheduling (``sched_autogroup_enabled``), CPU is
+#: shared between sessions, and every raylet is its own session: two busy actors on one raylet get half the CPU of
+#: one alone, so the tests give each heavy actor a raylet of its own.
 RAY_CONFIG = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_worker_prestart": "0",
-              "RAY_prestart_worker_first_driver": "0", "RAY_num_prestart_python_workers": "0"}
+              "RAY_prestart_worker_first_driver": "0", "RAY_num_prestart_python_workers": "0",
+              "RAY_worker_maximum_startup_concurrency": "4", "RAY_worker_niceness": "0"}
 START_TIMEOUT_S = 240
 STOP_GRACE_S = 5
 
@@ -174,8 +179,11 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """End every process the ``ray start`` commands left (their process groups): SIGTERM, then SIGKILL."""
+        """End every process the ``ray start`` commands left (their process groups): SIGTERM, then SIGKILL. The
+        raylets' logs are kept in ``work/logs/NODE`` (for a failure's post-mortem), their temp folder removed."""
         if _end_groups(self.procs) and self.temp is not None:
+            for logs in self.temp.glob("*/session_*/logs"):
+                shutil.copytree(logs, self.work / "logs" / logs.parent.parent.name, dirs_exist_ok=True)
             shutil.rmtree(self.temp, ignore_errors=True)
 
     def __enter__(self) -> Cluster:

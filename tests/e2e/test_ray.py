@@ -1,4 +1,4 @@
-"""The hotfix in Ray workers: a real Ray cluster on this machine (six raylets on loopback addresses, each a "node"
+"""The hotfix in Ray workers: a real Ray cluster on this machine (seven raylets on loopback addresses, each a "node"
 with its own Python and environment), vLLM's model loaded in Ray actors pinned one per raylet, ``doctor --ray``.
 
 Nodes (tests/ray_cluster.py; ray 2.60.0's CPU wheel, linked into throwaway overlays of the test environment):
@@ -10,6 +10,7 @@ node_a    127.0.0.2    the test environment + ray, nothing of the hotfix (the he
 node_b    127.0.0.3    the same
 pip_a/b   .4 / .5      the same + the wheel pip-installed (route 1: nothing else to do)
 bundle_a/b .6 / .7     the same as node_a + ``PYTHONPATH=<bundle>`` exported before ``ray start`` (route 2)
+stock     127.0.0.8    the same as node_a (the stock actor's own raylet)
 ========  ===========  =====================================================================================
 
 Route 3 is the driver's job ``runtime_env`` (``{"env_vars": {"PYTHONPATH": <bundle>}}``) on node_a and node_b, which
@@ -25,10 +26,11 @@ driver's job runtime_env plus vLLM's env_vars), one per raylet, pinned by the ra
 bundled tiny checkpoint through vLLM's ``load_weights``, and reports its ``qkv_proj`` against ``cat(q, k, v)`` of the
 checkpoint's own tensors. The actors' pids are read from Ray's own log prefixes (``(MiniCPMLoader pid=N, ip=...)``)
 on vLLM's own log lines; each must also carry the hotfix's ``PATCHED in pid N`` with the same N. A stock actor (no
-hotfix) on node_b fails with the ``k_proj`` error this release has.
+hotfix) on its own plain raylet fails with the ``k_proj`` error this release has.
 
 Runs on one release, one where stock vLLM is broken (RAY_RELEASES); about 4-5 minutes on 2 cores, most of it seven
-vLLM imports at once. The jobs, the engine attempt and the doctor probes share one cluster, started once.
+vLLM imports at once. The jobs, the engine attempt and the doctor probes share one cluster, started once; each
+actor that imports vLLM has a raylet of its own (tests/ray_cluster.py RAY_CONFIG says why).
 """
 
 from __future__ import annotations
@@ -38,18 +40,15 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import EXPECTED, REPO, TINY
+import ray_cluster
+from conftest import REPO, TINY
 
 from e2e import clean_env, overlay_env, pip_install
-
-sys.path.insert(0, str(REPO / "tests"))
-import ray_cluster  # noqa: E402
 
 RAY_RELEASES = ("0.28.0",)
 JOB_TIMEOUT_S = 480
@@ -107,6 +106,7 @@ def cluster(ray_work, plain_py, pip_py, bundle_dir, base_env):
         ray_cluster.Node("pip_b", pip_py),
         ray_cluster.Node("bundle_a", plain_py, {"PYTHONPATH": str(bundle_dir)}),
         ray_cluster.Node("bundle_b", plain_py, {"PYTHONPATH": str(bundle_dir)}),
+        ray_cluster.Node("stock", plain_py),
     ]
     with ray_cluster.Cluster(ray_work / "cluster", nodes, base_env) as c:
         print(f"\nRay cluster at {c.address}: {len(nodes)} raylets started in {c.started_s} s")
@@ -139,7 +139,7 @@ def jobs(cluster, ray_work, plain_py, pip_py, bundle_dir, base_env) -> dict[str,
         "pip": (plain_py, "actors", "pip_a,pip_b", "", {}),
         "bundle": (plain_py, "actors", "bundle_a,bundle_b", "", {}),
         "runtime_env": (plain_py, "actors", "node_a,node_b", runtime_env, {}),
-        "stock": (plain_py, "actors", "node_b", "", {}),
+        "stock": (plain_py, "actors", "stock", "", {}),
         # The driver that starts vLLM needs the hotfix itself (its processor fix): it runs where it is pip-installed.
         "engine": (pip_py, "engine", "-", runtime_env, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
     }
@@ -198,15 +198,17 @@ def assert_route(jobs: dict, cluster, name: str, nodes: tuple[str, str], armed_b
         assert a["qkv_equal"] == {"weight": True, "bias": True}, a
         assert a["armed_at_startup"] == armed_by, a
         assert a["hotfix_file"].startswith(origin), a["hotfix_file"]
-        assert a["status"]["fixes"]["qkv_loader"]["applied"] is True, a["status"]
+        fixes = a["status"]["fixes"]
+        assert fixes["qkv_loader"]["applied"] is True, a["status"]
+        assert all(f["applied"] for f in fixes.values() if f["verdict"] == "broken"), a["status"]
         patched = [m for m in by_ray[a["pid"]] if "vit_merger q/k/v loader PATCHED in pid" in m]
         assert patched and all(f"PATCHED in pid {a['pid']} " in m for m in patched), by_ray[a["pid"]]
         print(f"\n{name}: {node} ({a['node_ip']}) actor pid {a['pid']}: {patched[0][:140]}")
 
 
 def test_stock_actor_fails_with_this_releases_error(jobs, expected):
-    """No hotfix anywhere (node_b, no runtime_env): vLLM's own loader fails on the split q/k/v."""
-    a = _job(jobs, "stock")["actors"]["node_b"]
+    """No hotfix anywhere (a plain node, no runtime_env): vLLM's own loader fails on the split q/k/v."""
+    a = _job(jobs, "stock")["actors"]["stock"]
     verdict, error = expected
     assert verdict == "broken" and error is not None, "the Ray tests need a release where stock vLLM is broken"
     assert error in a["load_error"], a
@@ -224,9 +226,13 @@ def test_route2_bundle_on_pythonpath_before_ray_start(jobs, cluster, bundle_dir)
     assert_route(jobs, cluster, "bundle", ("bundle_a", "bundle_b"), "sitecustomize", str(bundle_dir))
 
 
-def test_route3_runtime_env_from_the_driver_only(jobs, cluster, bundle_dir):
-    """The nodes have nothing (the stock actor on node_b sees no PYTHONPATH); the driver's ``ray.init(runtime_env=
-    {"env_vars": {"PYTHONPATH": bundle}})`` reaches the workers through vLLM's own recipe for their runtime_env."""
+def test_route3_runtime_env_from_the_driver_only(jobs, cluster, bundle_dir, doctor_runs):
+    """node_a and node_b have nothing of the hotfix (``doctor --ray`` without a runtime_env says so); the driver's
+    ``ray.init(runtime_env={"env_vars": {"PYTHONPATH": bundle}})`` reaches the workers through vLLM's own recipe for
+    their runtime_env."""
+    rc, table = doctor_runs["table"]
+    for node in cluster.nodes[:2]:
+        assert "the hotfix is not installed on this node" in _row(table, node.ip), table
     assert_route(jobs, cluster, "runtime_env", ("node_a", "node_b"), "sitecustomize", str(bundle_dir))
     job = _job(jobs, "runtime_env")
     assert job["worker_runtime_env"] == {"env_vars": {"PYTHONPATH": str(bundle_dir),
@@ -276,19 +282,24 @@ def doctor_runs(cluster, pip_py, ray_work, base_env, bundle_dir, jobs) -> dict[s
         return dict(zip(variants, runs))
 
 
+def _row(table: str, ip: str) -> str:
+    rows = [line for line in table.splitlines() if line.strip().startswith(ip + " ")]
+    assert len(rows) == 1, table
+    return rows[0]
+
+
 def test_doctor_ray_one_row_per_node(doctor_runs, cluster):
     rc, out = doctor_runs["table"]
     assert rc == 1, out
-    rows = {n.name: [line for line in out.splitlines() if line.strip().startswith(n.ip + " ")] for n in cluster.nodes}
-    assert all(len(r) == 1 for r in rows.values()), out
-    for name in ("node_a", "node_b"):
-        assert " FAIL " in rows[name][0] and "the hotfix is not installed on this node" in rows[name][0], out
+    rows = {n.name: _row(out, n.ip) for n in cluster.nodes}
+    for name in ("node_a", "node_b", "stock"):
+        assert " FAIL " in rows[name] and "the hotfix is not installed on this node" in rows[name], out
     for name in ("pip_a", "pip_b"):
-        assert " OK " in rows[name][0] and "yes, start-up (pth)" in rows[name][0] and ".pth" in rows[name][0], out
+        assert " OK " in rows[name] and "yes, start-up (pth)" in rows[name] and ".pth" in rows[name], out
     for name in ("bundle_a", "bundle_b"):
-        assert " OK " in rows[name][0] and "yes, start-up (sitecustomize)" in rows[name][0], out
+        assert " OK " in rows[name] and "yes, start-up (sitecustomize)" in rows[name], out
     last = out.strip().splitlines()[-1]
-    assert last.startswith("FAIL: 2 of 6 node(s) would run vLLM unpatched (127.0.0.2, 127.0.0.3)"), last
+    assert last.startswith("FAIL: 3 of 7 node(s) would run vLLM unpatched (127.0.0.2, 127.0.0.3, 127.0.0.8)"), last
 
 
 def _by_node(cluster, report: dict) -> dict[str, dict]:
@@ -310,7 +321,7 @@ def test_doctor_ray_working_dir_carries_the_bundle(doctor_runs, cluster, release
     for name in ("pip_a", "pip_b"):
         r = nodes[name]
         assert r["armed_by"] == "pth" and r["pth"] and r["entry_point"] == "vllm_minicpm_hotfix.plugin:register", r
-    for name in ("node_a", "node_b", "bundle_a", "bundle_b"):
+    for name in ("node_a", "node_b", "bundle_a", "bundle_b", "stock"):
         r = nodes[name]
         assert r["armed_by"] == "sitecustomize" and r["sitecustomize_ours"] and not r["pth"], r
         assert "/runtime_resources/working_dir_files/" in r["package"] and r["entry_point"] is None, r
@@ -320,6 +331,6 @@ def test_doctor_ray_py_modules_does_not_carry_it(doctor_runs, cluster):
     """``py_modules: [BUNDLE]``: the folder becomes a package below a path entry; nothing runs its sitecustomize."""
     rc, out = doctor_runs["py_modules"]
     assert rc == 1, out
-    for name in ("node_a", "node_b"):
+    for name in ("node_a", "node_b", "stock"):
         r = _by_node(cluster, _json(out))[name]
         assert r["activates"] is False and r["armed_by"] is None and r["package"] is None, r
