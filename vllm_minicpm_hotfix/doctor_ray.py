@@ -34,9 +34,27 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 PROBE_TIMEOUT_S = 120.0
+#: Time allowed to connect to the cluster, on top of the probes' own timeout.
+CONNECT_TIMEOUT_S = 60.0
+
+
+def _unreachable(address: str) -> str | None:
+    """Why nothing accepts a TCP connection at ``HOST:PORT`` within 5 s, or None (also for other address forms:
+    ``auto``, ``ray://...``, which ``ray.init`` resolves itself)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def node_facts() -> dict[str, Any]:
@@ -271,18 +289,37 @@ def run(address: str | None, runtime_env_json: str | None, as_json: bool, timeou
     except ValueError as exc:
         print(f"FAIL: --ray-runtime-env is not JSON: {exc}")
         return 2
+
+    def fail(line: str) -> int:
+        print(json.dumps({"ok": False, "summary": line}) if as_json else line, flush=True)
+        return 1
+
+    target = address or os.environ.get("RAY_ADDRESS")
+    unreachable = _unreachable(target) if target else None
+    if unreachable:
+        return fail(f"FAIL: no Ray cluster answers at {target} ({unreachable}): check --ray-address / RAY_ADDRESS "
+                    f"(the head's GCS address, HOST:PORT as `ray start --head` printed it)")
+    # ray.init retries an unresponsive GCS for minutes: a watchdog bounds the whole probe and leaves if Ray does not
+    # return (ray.init stays in the main thread, where Ray wants it).
+    done = threading.Event()
+    limit = timeout + CONNECT_TIMEOUT_S
+
+    def watchdog() -> None:
+        if not done.wait(limit):
+            fail(f"FAIL: the Ray cluster did not answer within {limit:g} s" + (f" at {target}" if target else "")
+                 + ": is it up (`ray status`)?")
+            os._exit(1)
+
+    threading.Thread(target=watchdog, name="doctor-ray-watchdog", daemon=True).start()
     try:
         rows = probe_cluster(address, runtime_env, timeout)
     except ImportError as exc:
-        line = (f"FAIL: ray is not importable in {sys.executable} ({exc}): run `doctor --ray` with the Python that "
-                f"runs your Ray driver")
-        rows = None
+        return fail(f"FAIL: ray is not importable in {sys.executable} ({exc}): run `doctor --ray` with the Python "
+                    f"that runs your Ray driver")
     except Exception as exc:  # noqa: BLE001 - no cluster, refused connection...: one line
-        line = f"FAIL: cannot probe the Ray cluster: {exc_line(exc)}"
-        rows = None
-    if rows is None:
-        print(json.dumps({"ok": False, "summary": line}) if as_json else line)
-        return 1
+        return fail(f"FAIL: cannot probe the Ray cluster: {exc_line(exc)}")
+    finally:
+        done.set()
     ok, line = summary(rows)
     if as_json:
         print(json.dumps({"ok": ok, "summary": line, "nodes": rows}, indent=2, default=str))

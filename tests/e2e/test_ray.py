@@ -334,3 +334,12 @@ def test_doctor_ray_py_modules_does_not_carry_it(doctor_runs, cluster):
     for name in ("node_a", "node_b", "stock"):
         r = _by_node(cluster, _json(out))[name]
         assert r["activates"] is False and r["armed_by"] is None and r["package"] is None, r
+
+
+def test_doctor_ray_names_an_address_nothing_answers_at(pip_py, ray_work, base_env):
+    """No cluster there: one line, at once (``ray.init`` itself would retry for minutes)."""
+    address = f"127.0.0.9:{ray_cluster.free_port()}"
+    rc, out, seconds = _run([str(pip_py), "-m", "vllm_minicpm_hotfix", "doctor", "--ray", "--ray-address", address],
+                            env=base_env, cwd=ray_work, timeout=60)
+    assert rc == 1 and seconds < 30, (rc, seconds, out)
+    assert out.strip().splitlines()[-1].startswith(f"FAIL: no Ray cluster answers at {address} (Connection"), out
