@@ -143,6 +143,7 @@ HEAVY_MODULES = {"test_activation", "test_cli", "test_reliability", "test_tensor
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "heavy: many fresh interpreters; run on a subset of releases by scripts/test")
+    config.addinivalue_line("markers", "ray: starts a Ray cluster (tests/e2e/test_ray.py); one release only")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -772,7 +772,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="seconds to wait for the fresh vLLM process (default 600)")
+    p.add_argument("--ray", action="store_true", help="check every node of a running Ray cluster instead: one probe "
+                   "task per node, one row per node (docs/ray.md; needs ray in this Python)")
+    p.add_argument("--ray-address", metavar="HOST:PORT", help="the cluster for --ray (default: RAY_ADDRESS, else the "
+                   "one `ray start` left on this machine)")
+    p.add_argument("--ray-runtime-env", metavar="JSON", help="with --ray: probe under this job runtime_env (the one "
+                   "your vLLM driver passes to ray.init)")
     args = p.parse_args(argv)
+    if args.ray:
+        from .doctor_ray import run as run_ray
+
+        return run_ray(args.ray_address, args.ray_runtime_env, args.json, min(args.timeout, 120.0))
     try:
         report = collect(args.timeout)
     except KeyboardInterrupt:
