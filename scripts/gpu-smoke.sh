@@ -38,5 +38,5 @@ if [ ! -f "$env_dir/.gpu-smoke-complete" ]; then
 fi
 "$py" -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)" >&2
 
-exec timeout 540 env VLLM_TARGET_DEVICE=cuda VLLM_MINICPM_HOTFIX_E2E=1 VLLM_MINICPM_HOTFIX_E2E_DEVICE=cuda PYTHONPATH= \
+exec timeout 540 env VLLM_TARGET_DEVICE=cuda VLLM_MINICPM_HOTFIX_EVERYWHERE=1 VLLM_MINICPM_HOTFIX_E2E_DEVICE=cuda PYTHONPATH= \
   "$py" -m pytest -p no:cacheprovider tests/e2e -v -s -rA

@@ -134,22 +134,40 @@ def _stock_between_tests(m46):
     assert not patched(), f"this test left vLLM patched: {patched()}"
 
 
-#: Test modules that start many fresh interpreters or servers (activation routes, the CLI, hostile environments,
-#: bad checkpoints through vLLM's loader, tensor-parallel ranks).
-#: scripts/test runs them on the releases in VLLM_MINICPM_HOTFIX_FULL_RELEASES (one broken, one correct) and
-#: deselects them (``-m "not heavy"``) elsewhere, so CI stays inside its time; every other test runs on every release.
-HEAVY_MODULES = {"test_activation", "test_cli", "test_reliability", "test_tensor_parallel"}
+#: The environment variable scripts/test sets to the environment's spec ("0.28.0", "0.28.0:tf5.20.0",
+#: "0.28.0:unpinned"); run by hand, the spec is the installed vLLM release.
+ENV_SPEC_VAR = "VLLM_MINICPM_HOTFIX_ENV"
+#: Set to 1 to run every test in this environment, wherever it is placed.
+EVERYWHERE_VAR = "VLLM_MINICPM_HOTFIX_EVERYWHERE"
+#: Where the modules that start many fresh interpreters (activation routes, the CLI, hostile environments, tensor
+#: parallel ranks) run: one release whose own q/k/v loading is broken and one where it is correct.
+FULL_ENVS = ("0.28.0", "0.32.0")
+
+
+def environment_spec() -> str:
+    return os.environ.get(ENV_SPEC_VAR) or vllm_release()
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "heavy: many fresh interpreters; run on a subset of releases by scripts/test")
-    config.addinivalue_line("markers", "ray: starts a Ray cluster (tests/e2e/test_ray.py); one release only")
+    config.addinivalue_line(
+        "markers",
+        "placed(*specs): run only in these environments (scripts/test specs, e.g. '0.28.0'); elsewhere the tests are "
+        "deselected -- not skipped -- and the module's docstring says why it runs where it does",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
+    """Deselect the tests ``placed`` elsewhere (``VLLM_MINICPM_HOTFIX_EVERYWHERE=1`` keeps them all)."""
+    if os.environ.get(EVERYWHERE_VAR) == "1":
+        return
+    spec = environment_spec()
+    keep, drop = [], []
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in HEAVY_MODULES:
-            item.add_marker(pytest.mark.heavy)
+        placed = item.get_closest_marker("placed")
+        (drop if placed is not None and spec not in placed.args else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_report_header(config):

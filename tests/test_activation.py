@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import FULL_ENVS, REPO
 from e2e import (
     clean_env,
     overlay_env,
@@ -32,6 +32,8 @@ from e2e import (
 )
 
 from vllm_minicpm_hotfix import _bootstrap, bundle
+
+pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 M46 = "vllm.model_executor.models.minicpmv4_6"
 HEAVY = ("wrapt", "torch", "vllm", "transformers")

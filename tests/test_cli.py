@@ -30,9 +30,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY
+from conftest import FULL_ENVS, REPO, TINY
 
 from vllm_minicpm_hotfix import doctor, verify
+
+pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 PREFIX = "model.vision_tower.vit_merger.self_attn."
 

@@ -29,12 +29,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, hotfix
+from conftest import FULL_ENVS, REPO, TINY, hotfix
 from e2e import clean_env, overlay_env, pip_install, run_python, site_packages
 from safetensors.torch import save_file
 from vllm_build import build_vllm_model, checkpoint_tensors, ensure_distributed, iter_checkpoint, make_vllm_config
 
 from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError
+
+pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 P = "model.vision_tower.vit_merger.self_attn."
 M46 = "vllm.model_executor.models.minicpmv4_6"

@@ -18,8 +18,10 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, hotfix
+from conftest import FULL_ENVS, REPO, hotfix
 from vllm_build import build_vllm_model, checkpoint_tensors, prepare_for_forward
+
+pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 PREFIX = "model.vision_tower.vit_merger.self_attn."
 WORLD = 2

@@ -54,7 +54,7 @@ RAY_RELEASES = ("0.28.0",)
 JOB_TIMEOUT_S = 480
 DOCTOR_TIMEOUT_S = 180
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.placed(*RAY_RELEASES)]
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: Ray's prefix on a line an actor printed, as Ray's log monitor forwards it to the driver.
@@ -63,11 +63,6 @@ RAY_PREFIX = re.compile(r"^\((?P<cls>\w+) pid=(?P<pid>\d+)(?:, ip=(?P<ip>[0-9.]+
 VLLM_OWN_LINE = "Resolved architecture: MiniCPMV4_6ForConditionalGeneration"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _placed(release):
-    if release not in RAY_RELEASES and os.environ.get("VLLM_MINICPM_HOTFIX_RAY") != "1":
-        pytest.skip(f"the Ray tests are measured on vLLM {', '.join(RAY_RELEASES)} (this is {release}); "
-                    f"VLLM_MINICPM_HOTFIX_RAY=1 runs them here")
 
 
 @pytest.fixture(scope="module")
