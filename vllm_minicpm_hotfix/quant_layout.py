@@ -1,0 +1,209 @@
+"""How a quantized MiniCPM-V 4.6 checkpoint stores its layers, read from its safetensors headers alone.
+
+Pure functions over a checkpoint folder (nothing here imports vLLM or torch at import time; no tensor data is read):
+the post-import fix :mod:`vllm_minicpm_hotfix.fixes.quantized_vision` decides from them which vision layers vLLM
+must build quantized, and ``doctor --model`` / ``verify --model`` report them next to what vLLM would build.
+
+A *module* is a checkpoint tensor name without its last component (``model.vision_tower.encoder.layers.0.mlp.fc1``
+for ``….fc1.weight`` / ``….fc1.qweight``); bitsandbytes' nested names (``….weight.absmax``,
+``….weight.quant_state.bitsandbytes__nf4``) belong to the module before ``.weight``. A module is stored *quantized*
+when any of its tensors has a non-floating dtype (GPTQ/AWQ ``qweight``/``qzeros``/``g_idx`` are int32, bitsandbytes'
+``weight`` uint8, FP8 ``F8_*``), *float* when all of them are ``F16``/``BF16``/``F32``/``F64``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+#: safetensors dtype strings of unquantized (floating) tensors.
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+#: Checkpoint prefixes of the vision side (transformers >= 5.7 names, and the older ``model.vpm`` ones).
+VISION_PREFIXES = ("model.vision_tower.", "model.merger.", "model.vpm.", "model.vit_merger.")
+#: Files vLLM reads a quantization config from besides ``config.json``'s ``quantization_config``.
+QUANT_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  #: safetensors dtype string, e.g. "BF16", "I32", "U8"
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleStorage:
+    """How the checkpoint stores one module: ``quantized``, the tensor suffixes (``weight``, ``bias``, ``qweight``,
+    ``qzeros``, ``scales``, ``g_idx``, ``weight.absmax`` …) and their dtypes, in name order."""
+
+    module: str
+    quantized: bool
+    suffixes: tuple[str, ...]
+    dtypes: tuple[str, ...]
+
+    def describe(self) -> str:
+        kind = "quantized" if self.quantized else "float"
+        return f"{kind} ({', '.join(f'{s} {d}' for s, d in zip(self.suffixes, self.dtypes))})"
+
+
+class LayoutError(ValueError):
+    """The checkpoint folder cannot be read as a safetensors checkpoint."""
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The folder's safetensors files: those ``model.safetensors.index.json`` names, else every ``*.safetensors``.
+
+    Raises:
+        LayoutError: no safetensors file in ``folder``.
+    """
+    d = Path(folder)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / n for n in names]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise LayoutError(f"no *.safetensors file in {d}")
+    return files
+
+
+def read_tensor_info(folder: str | os.PathLike) -> dict[str, TensorInfo]:
+    """``{tensor name: TensorInfo}`` of every tensor in the folder, from the safetensors headers
+    (``safetensors.safe_open(...).get_slice(name)``: dtype and shape only, no data is read).
+
+    Raises:
+        LayoutError: no safetensors file, or a tensor name in two files.
+    """
+    from safetensors import safe_open
+
+    out: dict[str, TensorInfo] = {}
+    for f in weight_files(folder):
+        with safe_open(str(f), framework="numpy") as sf:
+            for name in sf.keys():
+                if name in out:
+                    raise LayoutError(f"tensor {name} is in more than one file of {folder}")
+                sl = sf.get_slice(name)
+                out[name] = TensorInfo(str(sl.get_dtype()), tuple(int(x) for x in sl.get_shape()))
+    return out
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``(module, suffix)`` of a tensor name; bitsandbytes' ``….weight.<state>`` keeps ``weight.<state>`` as suffix."""
+    head, sep, tail = name.partition(".weight.")
+    if sep:
+        return head, "weight." + tail
+    module, _, suffix = name.rpartition(".")
+    return module, suffix
+
+
+def module_storage(tensors: Mapping[str, TensorInfo]) -> dict[str, ModuleStorage]:
+    """Group tensors by module: ``{module: ModuleStorage}``."""
+    grouped: dict[str, list[tuple[str, str]]] = {}
+    for name, info in sorted(tensors.items()):
+        module, suffix = split_name(name)
+        grouped.setdefault(module, []).append((suffix, info.dtype))
+    return {
+        m: ModuleStorage(m, any(d not in FLOAT_DTYPES for _, d in items), tuple(s for s, _ in items),
+                         tuple(d for _, d in items))
+        for m, items in grouped.items()
+    }  # fmt: skip
+
+
+def quantization_config(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The checkpoint's quantization config: ``config.json``'s ``quantization_config`` (or its ``text_config``'s),
+    else ``quantize_config.json`` / ``quant_config.json``; None for an unquantized checkpoint."""
+    d = Path(folder)
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    if qc:
+        return dict(qc)
+    for name in QUANT_CONFIG_FILES:
+        try:
+            return dict(json.loads((d / name).read_text()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def quant_method(folder: str | os.PathLike) -> str | None:
+    qc = quantization_config(folder)
+    return None if qc is None else str(qc.get("quant_method", "") or "") or None
+
+
+def is_vision(module: str) -> bool:
+    return module.startswith(VISION_PREFIXES)
+
+
+def vision_storage(folder: str | os.PathLike) -> dict[str, ModuleStorage]:
+    """``{module: ModuleStorage}`` of the vision tower, vit_merger and merger modules that hold a ``weight`` (or a
+    quantized form of one): the linear, convolution, embedding and norm layers."""
+    return {
+        m: s
+        for m, s in module_storage(read_tensor_info(folder)).items()
+        if is_vision(m) and (s.quantized or "weight" in s.suffixes)
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Report rows (doctor --model, verify --model)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """One vision linear layer: what the checkpoint stores, what vLLM builds (None: not known), whether they agree."""
+
+    layer: str  #: vLLM's module name, e.g. ``vpm.encoder.layers.0.self_attn.qkv_proj``
+    stored: str  #: "float" | "quantized" | "mixed" | "absent"
+    checkpoint: tuple[str, ...]  #: the checkpoint modules the layer loads from
+    built: str | None  #: vLLM's quant method class name, e.g. "UnquantizedLinearMethod", "AutoAWQMarlinLinearMethod"
+
+    @property
+    def built_quantized(self) -> bool | None:
+        if self.built is None:
+            return None
+        return not self.built.startswith("Unquantized")
+
+    @property
+    def agrees(self) -> bool | None:
+        if self.built is None or self.stored not in ("float", "quantized"):
+            return None if self.stored != "mixed" else False
+        return self.built_quantized == (self.stored == "quantized")
+
+
+def stored_kind(modules: Iterable[str], storage: Mapping[str, ModuleStorage]) -> str:
+    """``"float"`` / ``"quantized"`` if every present module is stored so, ``"mixed"`` if they differ, ``"absent"``
+    if none is in the checkpoint."""
+    kinds = {storage[m].quantized for m in modules if m in storage}
+    if not kinds:
+        return "absent"
+    if len(kinds) > 1:
+        return "mixed"
+    return "quantized" if kinds.pop() else "float"
+
+
+def summarize(rows: Iterable[LayerRow]) -> dict[str, Any]:
+    """Counts for one line of a report, and the layers where vLLM's build disagrees with the checkpoint."""
+    rows = list(rows)
+    return {
+        "layers": len(rows),
+        "stored_quantized": sum(r.stored == "quantized" for r in rows),
+        "built_quantized": sum(bool(r.built_quantized) for r in rows),
+        "disagree": [r.layer for r in rows if r.agrees is False],
+    }
+
+
+def describe_rows(rows: Iterable[LayerRow]) -> list[str]:
+    """Human lines: ``layer: checkpoint <kind>, vLLM builds <method>[  <-- DISAGREE]``."""
+    out = []
+    for r in rows:
+        built = r.built or "?"
+        flag = "  <-- DISAGREE" if r.agrees is False else ""
+        out.append(f"{r.layer}: checkpoint {r.stored}, vLLM builds {built}{flag}")
+    return out
