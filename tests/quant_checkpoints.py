@@ -230,3 +230,57 @@ def write_checkpoint(
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in sorted(out.items())}, str(dst / "model.safetensors"), {"format": "pt"})
     return chosen
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# bitsandbytes NF4 (as transformers serializes a 4-bit model; written by hand: bitsandbytes is not needed to write it)
+# --------------------------------------------------------------------------------------------------------------------
+
+#: bitsandbytes' NF4 code book.
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)  # fmt: skip
+BNB_BLOCK = 64
+BNB_CONFIG = {
+    "quant_method": "bitsandbytes", "_load_in_4bit": True, "_load_in_8bit": False, "load_in_4bit": True,
+    "load_in_8bit": False, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16",
+    "bnb_4bit_use_double_quant": False, "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": ["lm_head"],
+}  # fmt: skip
+
+
+def pack_nf4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``weight``, ``weight.absmax``, ``weight.quant_map``, ``weight.quant_state.bitsandbytes__nf4`` of one layer:
+    row-major blocks of 64, absmax per block, nearest NF4 code, two codes per byte (first in the high nibble)."""
+    flat = weight.detach().float().reshape(-1)
+    blocks = flat.reshape(-1, BNB_BLOCK)
+    absmax = blocks.abs().amax(1).clamp_min(1e-12)
+    table = torch.tensor(NF4)
+    codes = (blocks / absmax[:, None])[..., None].sub(table).abs().argmin(-1).reshape(-1)
+    packed = ((codes[0::2] << 4) | codes[1::2]).to(torch.uint8).reshape(-1, 1)
+    state = {"quant_type": "nf4", "blocksize": BNB_BLOCK, "dtype": "bfloat16", "shape": list(weight.shape)}
+    return {
+        "weight": packed,
+        "weight.absmax": absmax.to(torch.float32),
+        "weight.quant_map": table.to(torch.float32),
+        "weight.quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8),
+    }
+
+
+def write_bnb(src: Path, dst: Path) -> None:
+    """An NF4 twin of ``src``: every 2-D linear weight (vision and merger too, as transformers quantizes every
+    ``nn.Linear`` not in ``llm_int8_skip_modules``) packed, embeddings and the rest bf16."""
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    config = _copy_side_files(src, dst)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in read_tensors(src).items():
+        module, _, suffix = name.rpartition(".")
+        if suffix == "weight" and t.dim() == 2 and "embed" not in module and t.numel() % BNB_BLOCK == 0:
+            out.update({f"{module}.{k}": v for k, v in pack_nf4(t).items()})
+        else:
+            out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    config["quantization_config"] = dict(BNB_CONFIG)
+    config["dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in sorted(out.items())}, str(dst / "model.safetensors"), {"format": "pt"})
