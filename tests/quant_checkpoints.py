@@ -195,10 +195,12 @@ def write_checkpoint(
     quantization_config: dict | None = None,
     float_dtype: torch.dtype = torch.bfloat16,
     transform: Callable[[dict[str, torch.Tensor], dict], None] | None = None,
+    sym: bool | None = None,
 ) -> dict[str, dict]:
     """Write ``dst``: ``src``'s side files and tensors, float tensors cast to ``float_dtype``, and every linear layer
     whose module name satisfies ``quantize`` replaced by its packed form (``method`` "gptq" or "awq"; None: keep the
     dequantized weight as float -- the exact bf16 twin). ``transform(tensors, config)`` may edit both first.
+    ``sym``: symmetric codes (zero 8); default: symmetric unless ``method`` is "awq".
 
     Returns ``{module: {"codes", "zeros", "scales"}}`` of every quantized layer (the chosen integer codes).
     """
@@ -214,7 +216,7 @@ def write_checkpoint(
     for name, t in tensors.items():
         module, _, suffix = name.rpartition(".")
         if suffix == "weight" and t.dim() == 2 and quantize(module):
-            codes, zeros, scales = choose_codes(t, sym=(method != "awq"))
+            codes, zeros, scales = choose_codes(t, sym=(method != "awq") if sym is None else sym)
             chosen[module] = {"codes": codes, "zeros": zeros, "scales": scales}
             if method == "gptq":
                 out.update({f"{module}.{k}": v for k, v in pack_gptq(codes, zeros, scales).items()})
