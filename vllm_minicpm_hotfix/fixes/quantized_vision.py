@@ -320,7 +320,8 @@ def probe(module: ModuleType) -> decision.Verdict:
         if _base.patched_by(model_cls, "__init__") == NAME:
             storage = {
                 "model.vision_tower.encoder.layers.0.mlp.fc1": ModuleStorage(
-                    "model.vision_tower.encoder.layers.0.mlp.fc1", False, ("bias", "weight"), ("BF16", "BF16"))
+                    "model.vision_tower.encoder.layers.0.mlp.fc1", False, ("bias", "weight"), ("BF16", "BF16"),
+                    ((128,), (128, 64)))
             }  # fmt: skip
             plan = VisionPlan.build(storage, model_cls, "probe")
             with intercept(qc, plan):
