@@ -754,6 +754,26 @@ def rows(report: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
+def _add_quant_report(report: dict[str, Any], model: str, timeout: float) -> None:
+    """``python -m vllm_minicpm_hotfix.quant_layout DIR`` in a fresh vLLM process of this environment: one check row
+    for the checkpoint's vision quantization (FAIL when the vLLM started here would build it differently)."""
+    from . import quant_layout
+
+    proc = subprocess.run([sys.executable, "-m", "vllm_minicpm_hotfix.quant_layout", model], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL,
+                          cwd=str(Path(__file__).resolve().parent.parent))  # fmt: skip
+    try:
+        rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        rep = {"quant_method": "?", "error": (proc.stderr or proc.stdout).strip()[-400:]}
+    agrees, text = quant_layout.report_lines(rep)
+    report["quantized_checkpoint"] = rep
+    report["checks"].append({"check": "quantized checkpoint", "status": "OK" if agrees else "FAIL",
+                             "detail": "\n".join(text)})
+    if not agrees:
+        report["ok"], report["summary"] = False, f"FAIL: {model}: {text[0]}"
+
+
 def render(report: dict[str, Any]) -> None:
     print("vllm-minicpm-hotfix doctor")
     print_table(["check", "status", "detail"], [(r["check"], r["status"], r["detail"]) for r in report["checks"]],
@@ -772,9 +792,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="seconds to wait for the fresh vLLM process (default 600)")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="a quantized checkpoint folder: report how it stores its vision layers and how vLLM builds them")
     args = p.parse_args(argv)
     try:
         report = collect(args.timeout)
+        if args.model:
+            _add_quant_report(report, args.model, args.timeout)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
