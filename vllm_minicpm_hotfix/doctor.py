@@ -442,7 +442,8 @@ if m is not None:
         try:
             v = fix.probe(m)
             res["fixes"][fix.NAME] = {"label": fix.LABEL, "state": v.state.value, "reason": v.reason,
-                                      "applicable": v.applicable, "patched": _base.is_patched(fix, m)}
+                                      "applicable": v.applicable, "patched": _base.is_patched(fix, m),
+                                      "scope": getattr(fix, "SCOPE", None)}
         except BaseException as exc:
             res["fixes"][fix.NAME] = {"label": fix.LABEL, "state": "undetermined", "applicable": False,
                                       "reason": "probe failed: " + line(exc), "patched": False}
@@ -512,7 +513,7 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "label": probe.get("label") or name, "stock": stock, "stock_reason": stock_reason,
             "now": probe["state"], "now_reason": probe["reason"], "applied": applied,
             "needed": stock != "correct", "ok": probe["state"] == "correct",
-            "hook_error": rec.get("error"), "why": rec.get("why"),
+            "hook_error": rec.get("error"), "why": rec.get("why"), "scope": probe.get("scope"),
         }
     return out
 
@@ -564,7 +565,7 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
             return False, (f"FAIL: the hotfix's {name} failed inside vLLM's process ({f['hook_error']}); vLLM is left "
                            f"unpatched: report it (the log line 'vllm-minicpm-hotfix: the post-import hook failed' "
                            f"has the traceback)")
-    broken = [n for n, f in fixes.items() if not f["ok"]]
+    broken = [n for n, f in fixes.items() if not f["ok"] and not f.get("scope")]  # scoped: WARN rows only
     if broken:
         what = "; ".join(f"{fixes[n].get('label') or n}: {fixes[n]['stock']}" for n in broken)
         if not hook_on:
@@ -586,6 +587,8 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
         return False, f"FAIL: vLLM {version}: {what}; the hotfix is active but did not apply it ({why}): {advice}"
     parts = []
     for name, f in fixes.items():
+        if f.get("scope") and not f["ok"]:
+            continue
         parts.append(f"{f.get('label') or name} {'patched by the hotfix' if f['applied'] else 'correct upstream'}")
     state = "hotfix active" if hook_on else "hotfix not active"
     return True, f"OK: a vLLM {version} started from this environment loads MiniCPM-V 4.6 correctly ({'; '.join(parts)}; {state})"
@@ -744,8 +747,10 @@ def rows(report: dict[str, Any]) -> list[dict[str, str]]:
             detail = (f"stock vLLM {f['stock']} -> PATCHED, now {f['now']}" if f["applied"]
                       else f"not needed: {f['stock_reason']}")
         else:
-            status = "FAIL"
+            status = "WARN" if f.get("scope") and not f["applied"] and not f.get("hook_error") else "FAIL"
             detail = f"stock vLLM {f['stock']}, not patched: {f['stock_reason']}"
+            if status == "WARN":
+                detail = f"for {f['scope']} only (check one with --model): {detail}"
             if f.get("hook_error"):
                 detail = f"hook error: {f['hook_error']}"
             elif f["applied"]:

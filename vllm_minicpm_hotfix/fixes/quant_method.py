@@ -26,6 +26,9 @@ NAME = "unsupported_quant_method"
 LABEL = "quantization method check"
 TARGET = "vllm.config.model:ModelConfig._verify_quantization"
 SETS = (TARGET,)
+#: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
+#: given checkpoint).
+SCOPE = "quantized checkpoints"
 
 #: The method whose removal this fix explains (probe: is it among the installed vLLM's quantization methods?).
 REMOVED_METHOD = "bitsandbytes"

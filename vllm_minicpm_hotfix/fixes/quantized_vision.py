@@ -48,6 +48,9 @@ NAME = "quantized_vision"
 LABEL = "quantized-checkpoint vision layers"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 SETS = (f"{MODEL_CLASS}.__init__",)
+#: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
+#: given checkpoint).
+SCOPE = "quantized checkpoints"
 
 #: vLLM's top-level names of the vision side.
 VISION_VLLM_PREFIXES = ("vpm.", "vit_merger.", "merger.")
