@@ -219,7 +219,13 @@ def intercept(quant_config: Any, plan: VisionPlan, model_prefix: str = "") -> It
     def get_quant_method(layer: Any, prefix: str = "") -> Any:
         return decide(plan, quant_config, layer, prefix, lambda: original(layer, prefix), model_prefix=model_prefix)
 
-    quant_config.get_quant_method = get_quant_method
+    try:
+        quant_config.get_quant_method = get_quant_method
+    except (AttributeError, TypeError) as exc:  # a config class that takes no instance attributes: leave it to vLLM
+        log.warning("vllm-minicpm-hotfix: %s: cannot intercept %s.get_quant_method (%s); vLLM decides the vision "
+                    "layers' quantization from the config alone", LABEL, type(quant_config).__name__, exc)  # fmt: skip
+        yield
+        return
     try:
         yield
     finally:
