@@ -44,7 +44,8 @@ STOCK: dict[str, dict[str, tuple[str, str] | None]] = {
     "0.32.0": {"gptq": None, "gptq_list": ("load", NO_DATA), "gptq_vitqkv": None,
                "awq": ("load", FC1_MISSING_A), "awq_unaligned": ("build", NO_KERNEL)},
 }  # fmt: skip
-STOCK["0.22.1"] = STOCK["0.23.0"] = STOCK["0.24.0"]
+STOCK["0.22.1"] = dict(STOCK["0.24.0"], awq_unaligned=("load", FC1_MISSING_A))  # its CPU AWQ method builds 80-wide
+STOCK["0.23.0"] = dict(STOCK["0.24.0"], awq_unaligned=("build", "The input size is not aligned with the quantized"))
 STOCK["0.33.0"] = STOCK["0.32.0"]
 
 #: GPTQModel-style module list (a recipe some users follow): substrings, so it also matches the vision attention.
