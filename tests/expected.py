@@ -49,6 +49,15 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         ("0.32.0", "5.19.0"): "correct",
         ("0.33.0", "5.20.2"): "correct",
     },
+    "quantized_vision": {
+        # Every release builds the vision tower AWQ although modules_to_not_convert names model.vision_tower
+        # (transformers' name; vLLM's prefix rules end in a dot and never map it to vpm).
+        **{env: "broken" for env in ENVIRONMENTS},
+    },
+    "unsupported_quant_method": {
+        # bitsandbytes is in vLLM's quantization registry up to 0.26 and gone from 0.27 on.
+        **{env: ("correct" if env[0] in ("0.22.1", "0.23.0", "0.24.0", "0.26.0") else "broken") for env in ENVIRONMENTS},
+    },
 }
 
 #: vLLM release -> the error stock vLLM raises loading a 4.6 checkpoint (None: it loads).

@@ -442,7 +442,8 @@ if m is not None:
         try:
             v = fix.probe(m)
             res["fixes"][fix.NAME] = {"label": fix.LABEL, "state": v.state.value, "reason": v.reason,
-                                      "applicable": v.applicable, "patched": _base.is_patched(fix, m)}
+                                      "applicable": v.applicable, "patched": _base.is_patched(fix, m),
+                                      "scope": getattr(fix, "SCOPE", None)}
         except BaseException as exc:
             res["fixes"][fix.NAME] = {"label": fix.LABEL, "state": "undetermined", "applicable": False,
                                       "reason": "probe failed: " + line(exc), "patched": False}
@@ -512,7 +513,7 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "label": probe.get("label") or name, "stock": stock, "stock_reason": stock_reason,
             "now": probe["state"], "now_reason": probe["reason"], "applied": applied,
             "needed": stock != "correct", "ok": probe["state"] == "correct",
-            "hook_error": rec.get("error"), "why": rec.get("why"),
+            "hook_error": rec.get("error"), "why": rec.get("why"), "scope": probe.get("scope"),
         }
     return out
 
@@ -564,7 +565,7 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
             return False, (f"FAIL: the hotfix's {name} failed inside vLLM's process ({f['hook_error']}); vLLM is left "
                            f"unpatched: report it (the log line 'vllm-minicpm-hotfix: the post-import hook failed' "
                            f"has the traceback)")
-    broken = [n for n, f in fixes.items() if not f["ok"]]
+    broken = [n for n, f in fixes.items() if not f["ok"] and not f.get("scope")]  # scoped: WARN rows only
     if broken:
         what = "; ".join(f"{fixes[n].get('label') or n}: {fixes[n]['stock']}" for n in broken)
         if not hook_on:
@@ -586,6 +587,8 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
         return False, f"FAIL: vLLM {version}: {what}; the hotfix is active but did not apply it ({why}): {advice}"
     parts = []
     for name, f in fixes.items():
+        if f.get("scope") and not f["ok"]:
+            continue
         parts.append(f"{f.get('label') or name} {'patched by the hotfix' if f['applied'] else 'correct upstream'}")
     state = "hotfix active" if hook_on else "hotfix not active"
     return True, f"OK: a vLLM {version} started from this environment loads MiniCPM-V 4.6 correctly ({'; '.join(parts)}; {state})"
@@ -744,14 +747,36 @@ def rows(report: dict[str, Any]) -> list[dict[str, str]]:
             detail = (f"stock vLLM {f['stock']} -> PATCHED, now {f['now']}" if f["applied"]
                       else f"not needed: {f['stock_reason']}")
         else:
-            status = "FAIL"
+            status = "WARN" if f.get("scope") and not f["applied"] and not f.get("hook_error") else "FAIL"
             detail = f"stock vLLM {f['stock']}, not patched: {f['stock_reason']}"
+            if status == "WARN":
+                detail = f"for {f['scope']} only (check one with --model): {detail}"
             if f.get("hook_error"):
                 detail = f"hook error: {f['hook_error']}"
             elif f["applied"]:
                 detail = f"PATCHED but still {f['now']}: {f['now_reason']}"
         add(name, status, detail)
     return out
+
+
+def _add_quant_report(report: dict[str, Any], model: str, timeout: float) -> None:
+    """``python -m vllm_minicpm_hotfix.quant_layout DIR`` in a fresh vLLM process of this environment: one check row
+    for the checkpoint's vision quantization (FAIL when the vLLM started here would build it differently)."""
+    from . import quant_layout
+
+    proc = subprocess.run([sys.executable, "-m", "vllm_minicpm_hotfix.quant_layout", model], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL,
+                          cwd=str(Path(__file__).resolve().parent.parent))  # fmt: skip
+    try:
+        rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        rep = {"quant_method": "?", "error": (proc.stderr or proc.stdout).strip()[-400:]}
+    agrees, text = quant_layout.report_lines(rep)
+    report["quantized_checkpoint"] = rep
+    report["checks"].append({"check": "quantized checkpoint", "status": "OK" if agrees else "FAIL",
+                             "detail": "\n".join(text)})
+    if not agrees:
+        report["ok"], report["summary"] = False, f"FAIL: {model}: {text[0]}"
 
 
 def render(report: dict[str, Any]) -> None:
@@ -778,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
                    "one `ray start` left on this machine)")
     p.add_argument("--ray-runtime-env", metavar="JSON", help="with --ray: probe under this job runtime_env (the one "
                    "your vLLM driver passes to ray.init)")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="a quantized checkpoint folder: report how it stores its vision layers and how vLLM builds them")
     args = p.parse_args(argv)
     if args.ray:
         from .doctor_ray import run as run_ray
@@ -785,6 +812,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_ray(args.ray_address, args.ray_runtime_env, args.json, min(args.timeout, 120.0))
     try:
         report = collect(args.timeout)
+        if args.model:
+            _add_quant_report(report, args.model, args.timeout)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from . import quant_layout
 from ._cliutil import (
     exc_line,
     fmt_bytes,
@@ -460,6 +461,10 @@ def _build(ckpt: Checkpoint, module: Any, *, device: str, dtype: str, encoder_on
             model_cls = getattr(module, ARCHITECTURE)
         from .vllm_cpu import _default_dtype
 
+        if vllm_config.quant_config is not None:  # as vLLM's initialize_model does (maps the quant config's lists)
+            from vllm.model_executor.model_loader.utils import configure_quant_config
+
+            configure_quant_config(vllm_config.quant_config, model_cls)
         with _default_dtype(torch_dtype), torch.device(device):
             model = model_cls(vllm_config=vllm_config)
     if encoder_only and not getattr(model, "_language_model_names", None):
@@ -700,6 +705,9 @@ def _run(args: argparse.Namespace, t0: float) -> int:
         if not torch.cuda.is_available():
             raise VerifyFailed("--device cuda: torch sees no CUDA device here")
 
+    if quant_layout.quant_method(path) is not None:  # a quantized checkpoint: its vision layers, stored vs built
+        for i, text in enumerate(quant_layout.report_lines(quant_layout.report(path))[1]):
+            print(f"  {'quantized' if i == 0 else '':10}  {text}")
     reference = read_reference(ckpt)
 
     t = time.perf_counter()

@@ -131,6 +131,13 @@ def build_vllm_model(checkpoint_dir: str | os.PathLike, dtype: str = "float32", 
     torch_dtype = vllm_config.model_config.dtype
     if isinstance(torch_dtype, str):
         torch_dtype = _DTYPES[torch_dtype]
+    if vllm_config.quant_config is not None:
+        # What vLLM's initialize_model (model_loader/utils.py) does before constructing the model: map the quant
+        # config's layer lists (read from the checkpoint in HF names) to vLLM's names and hand it the model's
+        # packed_modules_mapping. Without it every GPTQ layer is built unquantized.
+        from vllm.model_executor.model_loader.utils import configure_quant_config
+
+        configure_quant_config(vllm_config.quant_config, model_cls)
     with set_current_vllm_config(vllm_config):
         if not model_parallel_is_initialized():
             initialize_model_parallel(1, 1)

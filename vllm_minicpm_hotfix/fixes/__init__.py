@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import processor_mode, qkv_loader
+from . import processor_mode, qkv_loader, quant_method, quantized_vision
 
 #: The fixes, in the order the post-import hook applies them.
 REGISTRY: tuple[ModuleType, ...] = (
     qkv_loader,
     processor_mode,
+    quantized_vision,
+    quant_method,
 )
 
 

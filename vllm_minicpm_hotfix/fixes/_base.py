@@ -154,10 +154,15 @@ def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
 
 def revert(module: ModuleType | None = None) -> bool:
     """Restore every attribute any fix set; with ``module``, every fix that set anything in ``module``'s classes,
-    including what the same fix set elsewhere (transformers, vLLM's layers). Returns whether any was set."""
+    including what the same fix set elsewhere (transformers, vLLM's layers), and every registered fix that is patched
+    as seen from ``module`` (one whose ``SETS`` name only other modules, e.g. ``vllm.config.model``). Returns whether
+    any was set."""
+    from . import REGISTRY  # not at import time: this package's __init__ imports this module
+
+    seen = {fix.NAME for fix in REGISTRY if module is not None and is_patched(fix, module)}
     reverted = False
     for fix, saved in list(_ORIGINALS.items()):
-        if module is None or any(_owner_module(owner) == module.__name__ for owner, _ in saved):
+        if module is None or fix in seen or any(_owner_module(owner) == module.__name__ for owner, _ in saved):
             reverted |= revert_fix(fix)
     return reverted
 

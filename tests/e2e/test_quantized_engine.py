@@ -1,0 +1,69 @@
+"""An AWQ twin of the tiny checkpoint through a real vLLM engine (``LLM.generate``), against its bf16 original.
+
+The twin's language model is packed AWQ from integer codes whose dequantized weights are exactly bf16
+(:mod:`quant_checkpoints`); the "original" holds exactly those dequantized weights in bf16. Both answer a text and an
+image prompt greedily in an overlay environment with the package pip-installed, on vLLM 0.28.0, where the AWQ twin
+needs all three loading fixes (the vision layers built as stored, the vit_merger q/k/v loader, the image processor's
+downsample_mode). One engine start each.
+
+What must hold: the same prompt token ids and the same greedy tokens. The log probabilities of the chosen tokens
+may differ by the kernel's arithmetic (vLLM's CPU 4-bit kernel dequantizes in its own blocks and accumulates in its
+own order; the bf16 path is oneDNN's GEMM), so they are compared within ``LOGPROB_ATOL``: 0.05 nats, about 12 bf16
+ulps (2**-8 relative) of logits of order 1; and wherever they differ at all, the greedy choice's margin over the
+runner-up must exceed the difference, so the equal-tokens check is not luck.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import quant_checkpoints as qc
+from conftest import TINY
+
+from e2e import clean_env
+
+E2E_RELEASES = ("0.28.0",)
+pytestmark = pytest.mark.placed(*E2E_RELEASES)
+LOGPROB_ATOL = 0.05
+ENGINE_TIMEOUT_S = 900
+SCRIPT = Path(__file__).with_name("quant_engine.py")
+AWQ_SKIP = ["model.vision_tower", "model.merger", "lm_head", "linear_attn.in_proj_b", "linear_attn.in_proj_a"]
+
+
+
+
+def run_engine(python: Path, ckpt: Path, cwd: Path) -> dict:
+    proc = subprocess.run([str(python), str(SCRIPT), str(ckpt)], env=clean_env(), cwd=cwd, capture_output=True,
+                          text=True, timeout=ENGINE_TIMEOUT_S, start_new_session=True)  # fmt: skip
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"engine on {ckpt.name} exited {proc.returncode}:\n{log[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_awq_twin_generates_like_bf16(pip_env, tmp_path):
+    twin, original = tmp_path / "awq", tmp_path / "bf16"
+    spec = dict(quantize=qc.is_lm_quantized, sym=False)
+    codes = qc.write_checkpoint(TINY, twin, method="awq",
+                                quantization_config=dict(qc.AWQ_CONFIG, modules_to_not_convert=AWQ_SKIP), **spec)
+    same = qc.write_checkpoint(TINY, original, method=None, **spec)
+    assert codes.keys() == same.keys() and len(codes) == 13  # the same chosen codes in both
+    got = run_engine(pip_env, twin, tmp_path)
+    want = run_engine(pip_env, original, tmp_path)
+    print(f"\nengine start: AWQ {got['started_s']} s, bf16 {want['started_s']} s; fixes applied {got['fixes']}")
+    assert got["fixes"]["quantized_vision"] and got["fixes"]["qkv_loader"], got["fixes"]
+    for q, b, kind in zip(got["outputs"], want["outputs"], ("text", "image")):
+        print(f"{kind}: {b['token_ids']} {b['text']!r}")
+        assert q["prompt_token_ids"] == b["prompt_token_ids"], kind
+        assert q["token_ids"] == b["token_ids"], (kind, q["text"], b["text"])
+        diffs = [abs(x - y) for x, y in zip(q["logprobs"], b["logprobs"])]
+        print(f"{kind}: max |logprob difference| {max(diffs):.4g}, min greedy margin {min(b['margins']):.4g}")
+        assert max(diffs) <= LOGPROB_ATOL, (kind, diffs)
+        # where the arithmetic differs at all, the greedy choice won by more than the difference: equal tokens are
+        # not luck (a margin of 0 is a tie of bf16 logits, broken the same way when the logits are equal)
+        assert all(d == 0 or m > d for d, m in zip(diffs, b["margins"])), (kind, diffs, b["margins"])
+    image_ids = want["outputs"][1]["prompt_token_ids"]
+    assert image_ids.count(243) > 1  # the image placeholder expanded: the vision path really ran

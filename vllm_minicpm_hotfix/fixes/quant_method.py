@@ -1,0 +1,127 @@
+"""The fix: one clear start-up error for a MiniCPM-V 4.6 checkpoint quantized with a method this vLLM lacks.
+
+vLLM 0.27 removed bitsandbytes; a ``MiniCPM-V-4.6-BNB`` checkpoint (``quantization_config.quant_method ==
+"bitsandbytes"``) then stops ``ModelConfig`` with ``Unknown quantization method: bitsandbytes. Must be one of [...
+thirty names ...]``, which says neither what the checkpoint is nor what would load. This wraps
+``vllm.config.model.ModelConfig._verify_quantization`` (where that error is raised, 0.22-0.33): when it fails for a
+MiniCPM-V 4.6 / 4.7 checkpoint whose ``quant_method`` this vLLM does not know, it raises one ``ValueError`` naming
+the checkpoint, its ``quant_method`` and the layouts that do load here. Any other outcome is vLLM's, unchanged.
+
+vLLM imports the model module (and so runs the post-import hook) inside ``ModelConfig.__post_init__`` -- the
+multimodal registry resolves the model class -- before it calls ``_verify_quantization``, so the wrapper is in place
+for the very ``ModelConfig`` that reads the checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .. import decision
+from . import _base
+
+NAME = "unsupported_quant_method"
+LABEL = "quantization method check"
+TARGET = "vllm.config.model:ModelConfig._verify_quantization"
+SETS = (TARGET,)
+#: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
+#: given checkpoint).
+SCOPE = "quantized checkpoints"
+
+#: The method whose removal this fix explains (probe: is it among the installed vLLM's quantization methods?).
+REMOVED_METHOD = "bitsandbytes"
+MODEL_TYPES = ("minicpmv4_6", "minicpmv4_7")
+WORKING_LAYOUTS = (
+    "GPTQ of the language model with a bf16 vision tower, vit_merger and merger (quant_method 'gptq', e.g. "
+    "openbmb/MiniCPM-V-4.6-GPTQ)",
+    "AWQ likewise (quant_method 'awq', e.g. openbmb/MiniCPM-V-4.6-AWQ)",
+    "the unquantized bf16 checkpoint (openbmb/MiniCPM-V-4.6)",
+)
+
+
+def known_methods() -> list[str]:
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    return list(QUANTIZATION_METHODS)
+
+
+def _is_minicpm(hf_config: Any) -> bool:
+    if getattr(hf_config, "model_type", None) in MODEL_TYPES:
+        return True
+    return any(str(a).startswith(("MiniCPMV4_6", "MiniCPMV4_7")) for a in getattr(hf_config, "architectures", None) or ())
+
+
+def _quant_cfg(model_config: Any) -> dict | None:
+    for owner in (getattr(model_config, "model_arch_config", None), getattr(model_config, "hf_config", None)):
+        cfg = getattr(owner, "quantization_config", None)
+        if isinstance(cfg, dict) and cfg:
+            return cfg
+    return None
+
+
+def explain(model: str, method: str, known: list[str], version: str) -> str:
+    """The message: the checkpoint, its ``quant_method``, that this vLLM lacks it, and what loads instead."""
+    return (
+        f"MiniCPM-V 4.6 checkpoint {model} is quantized with quant_method={method!r} (its config.json "
+        f"quantization_config), which vLLM {version} does not support ({method} is not among its quantization "
+        f"methods: {', '.join(sorted(known))}). Layouts that load on this vLLM with vllm-minicpm-hotfix: "
+        + "; ".join(WORKING_LAYOUTS)
+        + "."
+    )
+
+
+def wrap_verify(original: Callable) -> Callable:
+    """``ModelConfig._verify_quantization`` that re-raises vLLM's error for an unknown method with :func:`explain`."""
+
+    @functools.wraps(original)
+    def _verify_quantization(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except Exception as exc:
+            try:
+                cfg = _quant_cfg(self)
+                method = str((cfg or {}).get("quant_method", "") or "")
+                known = known_methods()
+                relevant = (
+                    bool(method) and method not in known and method in str(exc)
+                    and _is_minicpm(getattr(self, "hf_config", None))
+                )  # fmt: skip
+            except Exception:  # noqa: BLE001 - explaining must never hide vLLM's own error
+                relevant = False
+            if not relevant:
+                raise
+            from ..record import installed_vllm_version
+
+            raise ValueError(explain(str(getattr(self, "model", "?")), method, known, installed_vllm_version())) from exc
+
+    _verify_quantization.__wrapped__ = original
+    return _verify_quantization
+
+
+def probe(module: ModuleType) -> decision.Verdict:
+    """``BROKEN`` where the installed vLLM's quantization registry lacks ``bitsandbytes`` (a 4.6 bnb checkpoint then
+    fails with vLLM's generic unknown-method error), ``CORRECT`` where it has it or where this fix's wrapper is in
+    place. Never raises."""
+    try:
+        owner = _base.resolve(module, TARGET)
+        if owner is None:
+            return decision.Verdict(decision.State.UNRECOGNISED, f"{TARGET} not found")
+        if _base.patched_by(*owner) == NAME:
+            return decision.Verdict(decision.State.CORRECT, "unknown quantization methods of 4.6 checkpoints are explained")
+        known = known_methods()
+    except Exception as exc:  # noqa: BLE001
+        return decision.Verdict(decision.State.UNDETERMINED, f"probe failed: {type(exc).__name__}: {exc}")
+    if REMOVED_METHOD in known:
+        return decision.Verdict(decision.State.CORRECT, f"this vLLM still has {REMOVED_METHOD}")
+    return decision.Verdict(
+        decision.State.BROKEN,
+        f"this vLLM has no {REMOVED_METHOD}: a MiniCPM-V 4.6 {REMOVED_METHOD} checkpoint fails with a bare "
+        f"'Unknown quantization method' listing {len(known)} methods",
+    )
+
+
+def apply(module: ModuleType) -> None:
+    owner, attr = _base.resolve(module, TARGET)
+    _base.set_attributes(NAME, [(owner, attr, wrap_verify)])
