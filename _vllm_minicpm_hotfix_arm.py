@@ -1,9 +1,11 @@
 """vllm-minicpm-hotfix start-up arming: the only code the hotfix runs in every Python process of an environment.
 
-Imported at interpreter start-up by ``vllm-minicpm-hotfix.pth`` (pip install) and by the hotfix's
-``sitecustomize.py`` (PYTHONPATH injection), which then call :func:`activate`. It is a top-level module, shipped next
-to the ``vllm_minicpm_hotfix`` package, so that start-up loads this one small file and not the package, and it
-imports nothing (``os`` only through ``sys.modules``, where ``site`` has put it).
+Imported at interpreter start-up by ``vllm-minicpm-hotfix.pth`` (pip install, Python 3.10-3.14) and by the
+hotfix's ``sitecustomize.py`` (PYTHONPATH injection), which then call :func:`activate`; on Python 3.15+ (PEP 829)
+``site`` calls :func:`start`, the entry point named in ``vllm-minicpm-hotfix.start``, and skips the ``.pth``'s import
+line. It is a top-level module, shipped next to the ``vllm_minicpm_hotfix`` package, so that start-up loads this one
+small file and not the package, and it imports nothing (``os`` only through ``sys.modules``, where ``site`` has put
+it).
 
 **This module is the waiting finder.** A module object satisfies the ``sys.meta_path`` finder protocol
 (``find_spec``, ``invalidate_caches``), so :func:`activate` puts the module itself at the front of
@@ -26,7 +28,7 @@ OFF_VALUES = frozenset(("off", "0", "false", "no", "disable", "disabled"))
 FINDER_FLAG = "_vllm_minicpm_hotfix_waiting"
 _vllm_minicpm_hotfix_waiting = True
 
-#: What armed this process ("pth", "sitecustomize"), or None while not armed.
+#: What armed this process ("pth", "start", "sitecustomize"), or None while not armed.
 source = None
 _fired = False
 
@@ -103,10 +105,17 @@ def _install(src):
     return install_now(src)
 
 
+def start():
+    """PEP 829 entry point (``_vllm_minicpm_hotfix_arm:start`` in ``vllm-minicpm-hotfix.start``): ``site`` of Python
+    3.15+ resolves it with ``pkgutil.resolve_name`` and calls it with no arguments at start-up. Same as
+    ``activate("start")``, so idempotent with the ``.pth`` and ``sitecustomize.py``; returns None, never raises."""
+    activate("start")
+
+
 def activate(src):
     """Arm the hotfix in this process: install it at once if vLLM is already imported, else put this module on
-    ``sys.meta_path`` to wait for ``import vllm``. ``src`` names the path ("pth", "sitecustomize"). Returns True if
-    this call armed or installed it, False if it was off, already armed (by any copy of this module) or failed.
+    ``sys.meta_path`` to wait for ``import vllm``. ``src`` names the path ("pth", "start", "sitecustomize"). Returns
+    True if this call armed or installed it, False if it was off, already armed (by any copy of this module) or failed.
     Imports nothing while waiting; never raises."""
     global source
     try:

@@ -53,8 +53,8 @@ def source_copy(dst: Path, *, package_only: bool = False) -> Path:
     dst.mkdir(parents=True)
     shutil.copytree(REPO / "vllm_minicpm_hotfix", dst / "vllm_minicpm_hotfix", ignore=ignore)
     if not package_only:
-        for name in ("pyproject.toml", "setup.py", "README.md", "sitecustomize.py", "_vllm_minicpm_hotfix_arm.py",
-                     "vllm-minicpm-hotfix.pth"):
+        for name in ("pyproject.toml", "README.md", "sitecustomize.py", "_vllm_minicpm_hotfix_arm.py",
+                     "vllm-minicpm-hotfix.pth", "vllm-minicpm-hotfix.start"):
             if (REPO / name).exists():
                 shutil.copy(REPO / name, dst / name)
     return dst
