@@ -47,13 +47,14 @@ def site_packages(python: str | os.PathLike = sys.executable) -> Path:
     return Path(out.stdout.strip())
 
 
-def overlay_env(dest: Path, *, wrapt: bool = True) -> Path:
-    """A throwaway venv over the running environment (see the module docstring); returns its ``python``."""
-    base = site_packages()
+def overlay_env(dest: Path, *, wrapt: bool = True, over: str | os.PathLike = sys.executable) -> Path:
+    """A throwaway venv over the running environment, or over the environment of the interpreter ``over`` (see the
+    module docstring); returns its ``python``."""
+    base = site_packages(over)
     if any(p.name.startswith((PACKAGE, "vllm-minicpm-hotfix", "vllm_minicpm_hotfix", "_vllm_minicpm_hotfix"))
            for p in base.iterdir()):
         raise RuntimeError(f"{base} has vllm-minicpm-hotfix installed; the shared test environment must not")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True, timeout=120)
+    subprocess.run([str(over), "-m", "venv", "--without-pip", str(dest)], check=True, timeout=120)
     python = dest / "bin" / "python"
     site = site_packages(python)
     for entry in base.iterdir():
