@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXPECTED, REPO, TINY
+from conftest import REPO, TINY
 from e2e import clean_env, make_bundle, overlay_env, pip_install, run_python
 
 from vllm_minicpm_hotfix import _bootstrap
@@ -42,10 +42,7 @@ import vllm.model_executor.models.minicpmv4_6 as m
 import vllm_minicpm_hotfix as h
 from vllm_minicpm_hotfix import _bootstrap
 from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint
-try:
-    from vllm_minicpm_hotfix.fixes._base import revert
-except ImportError:
-    from vllm_minicpm_hotfix.patching import revert
+from vllm_minicpm_hotfix.fixes._base import revert
 ckpt = sys.argv[1]
 P = "model.vision_tower.vit_merger.self_attn."
 t = checkpoint_tensors(ckpt)
@@ -72,8 +69,8 @@ print(json.dumps({"python": sys.version.split()[0], "pid": os.getpid(), "activat
 
 
 @pytest.fixture(scope="module")
-def broken_release(release) -> str:
-    if release not in EXPECTED or EXPECTED[release][0] != "broken":
+def broken_release(release, expected) -> str:
+    if expected[0] != "broken" or not expected[1]:
         pytest.fail(f"tests/test_pythons.py must run on a release where stock vLLM is broken (0.28.0), not {release}: "
                     f"scripts/test runs it on VLLM_MINICPM_HOTFIX_PYTHONS_RELEASES")
     return release
@@ -101,7 +98,7 @@ def bundles(pythons, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("route", ["pip", "bundle"])
 @pytest.mark.parametrize("version", VERSIONS)
-def test_route_loads_exactly_on(version, route, pythons, bundles, wheel, broken_release, tmp_path):
+def test_route_loads_exactly_on(version, route, pythons, bundles, wheel, broken_release, expected, tmp_path):
     python = pythons[version]
     if route == "pip":
         env_python = overlay_env(tmp_path / "env", over=python)
@@ -129,7 +126,7 @@ def test_route_loads_exactly_on(version, route, pythons, bundles, wheel, broken_
     assert set(out["qkv_loaded"]) == {"vit_merger.self_attn.qkv_proj.weight", "vit_merger.self_attn.qkv_proj.bias"}
     # The same vLLM with the fix reverted: stock fails with the error users report on this release.
     assert out["reverted"] is True
-    assert out["stock_error"] is not None and EXPECTED[broken_release][1] in out["stock_error"], out["stock_error"]
+    assert out["stock_error"] is not None and expected[1] in out["stock_error"], out["stock_error"]
 
 
 STALE = """
