@@ -10,7 +10,8 @@ through vLLM's own ``load_weights``:
 
 In the same process the vit_merger ``qkv_proj`` must equal ``cat(q, k, v)`` of the checkpoint bit for bit, and after
 the fix is reverted stock vLLM must fail with the release's error (the release must be a broken one: 0.28.0).
-One vLLM process per Python and route (4 in all, ~40 s each on a quiet 2-core machine).
+One vLLM process per Python and route (4 in all, ~40 s each on a quiet 2-core machine), so the module is placed on one
+release, 0.28.0 (its -py3.12/-py3.13 environments come from locks/vllm-0.28.0-py3.1X.txt).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from conftest import REPO, TINY
 from e2e import clean_env, make_bundle, overlay_env, pip_install, run_python
 
 from vllm_minicpm_hotfix import _bootstrap
+
+pytestmark = pytest.mark.placed("0.28.0")
 
 VERSIONS = ("3.12", "3.13")
 #: Who makes the bundle each Python loads: never itself ("suite": this suite's own interpreter, 3.11).
@@ -72,7 +75,7 @@ print(json.dumps({"python": sys.version.split()[0], "pid": os.getpid(), "activat
 def broken_release(release, expected) -> str:
     if expected[0] != "broken" or not expected[1]:
         pytest.fail(f"tests/test_pythons.py must run on a release where stock vLLM is broken (0.28.0), not {release}: "
-                    f"scripts/test runs it on VLLM_MINICPM_HOTFIX_PYTHONS_RELEASES")
+                    f"its placement (pytestmark) says where")
     return release
 
 
