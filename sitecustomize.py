@@ -7,9 +7,10 @@ pure-Python wrapt next to it, for images that have no wrapt). See docs/activatio
 
 At start-up it does two things and imports nothing beyond what the interpreter has already loaded:
 
-1. ``_vllm_minicpm_hotfix_arm.activate("sitecustomize")`` (the small start-up module next to this file): a finder
-   that waits for ``import vllm`` and only then imports the package and wrapt and registers the post-import hook
-   (``VLLM_MINICPM_HOTFIX=off``: nothing at all).
+1. ``import _vllm_minicpm_hotfix_arm`` (the small start-up module next to this file), which arms itself on import
+   (as "sitecustomize"): a finder that waits for ``import vllm`` and only then imports the package and wrapt and
+   registers the post-import hook (``VLLM_MINICPM_HOTFIX=off``: nothing at all). Already armed by the ``.pth`` (the
+   package pip-installed too): nothing more.
 2. Chains to the ``sitecustomize`` module the interpreter would have run without us -- the next one on
    ``sys.path`` after this folder (Debian and Ubuntu Pythons ship one; so do some images) -- so nothing the image
    had is lost. The module it ran is kept as ``CHAINED``.
@@ -28,10 +29,9 @@ CHAINED = None
 
 def _activate():
     try:
-        from _vllm_minicpm_hotfix_arm import activate
-    except Exception:  # noqa: BLE001 - a broken hotfix must not break start-up (or the chain below)
-        return
-    activate("sitecustomize")
+        import _vllm_minicpm_hotfix_arm  # noqa: F401 - arms itself on import
+    except Exception:  # noqa: BLE001, S110 - a broken hotfix must not break start-up (or the chain below)
+        pass
 
 
 def _same_dir(entry, here, realpath):

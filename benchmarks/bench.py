@@ -146,8 +146,21 @@ def bench_startup(envs: dict[str, Path], pairs: int, warmup: int) -> list[dict]:
         n_it = min(max(pairs // 4, 3), 50)
         detail = {"A": importtime_at_startup(py_a, env_a, n_it), "B": importtime_at_startup(py_b, env_b, n_it)}
         rows.append({"key": key, "title": title, "unit": "ms", "wall": wall, "cpu": cpu,
-                     "target": TARGETS["startup"] if gated else None, "importtime_ms": detail})
+                     "target": TARGETS["startup"] if gated else None, "importtime_ms": detail,
+                     "instructions": {"A": instructions(py_a, env_a), "B": instructions(py_b, env_b)}})
     return rows
+
+
+def instructions(python: str, env: dict[str, str]) -> int | None:
+    """Instructions executed by ``python -c pass`` (valgrind's callgrind, ``PYTHONHASHSEED=0``): deterministic, so
+    unlike the times above it does not depend on what else the machine runs. None without valgrind."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        return None
+    out = subprocess.run([valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", python, "-c", "pass"],
+                         env={**env, "PYTHONHASHSEED": "0"}, capture_output=True, text=True, timeout=300, check=False)
+    found = [ln.rsplit(":", 1)[1].strip() for ln in out.stderr.splitlines() if "Collected :" in ln]
+    return int(found[-1]) if out.returncode == 0 and found else None
 
 
 STARTUP_MODULES = ("_vllm_minicpm_hotfix_arm", "sitecustomize", "site")
@@ -379,6 +392,14 @@ def startup_text(rows: list[dict]) -> str:
         a, b = r["importtime_ms"]["A"], r["importtime_ms"]["B"]
         out.append(f"| {r['title']} | {b['_vllm_minicpm_hotfix_arm']:.2f} | "
                    f"{a['sitecustomize']:.2f} / {b['sitecustomize']:.2f} | {a['site']:.2f} / {b['site']:.2f} |")
+    counted = [r for r in rows if (r.get("instructions") or {}).get("A") and r["instructions"].get("B")]
+    if counted:
+        out += ["", "Start-up instructions (`valgrind --tool=callgrind python -c pass`, `PYTHONHASHSEED=0`: the same "
+                "count on every run, whatever else the machine does):", "",
+                "| case | A | B | B - A |", "|---|---|---|---|"]
+        for r in counted:
+            a, b = r["instructions"]["A"], r["instructions"]["B"]
+            out.append(f"| {r['title']} | {a / 1e6:.3f} M | {b / 1e6:.3f} M | {(b - a) / 1e3:+.0f} k |")
     return "\n".join(out)
 
 

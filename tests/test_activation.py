@@ -100,13 +100,18 @@ def z_read(wheel, name: str) -> str:
         return z.read(name).decode()
 
 
-def test_wheel_ships_pth_entry_point_and_no_sitecustomize(wheel):
+def test_wheel_ships_pth_start_entry_point_and_no_sitecustomize(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         pth = z.read("vllm-minicpm-hotfix.pth").decode()
+        start = z.read("vllm-minicpm-hotfix.start").decode()
         entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
         template = z.read("vllm_minicpm_hotfix/_sitecustomize.py.txt").decode()
     assert pth == (REPO / "vllm-minicpm-hotfix.pth").read_text()
+    # PEP 829 (Python 3.15+): the matching .start file, next to the .pth at the root; one entry point, no import line.
+    assert start == (REPO / "vllm-minicpm-hotfix.start").read_text()
+    entries = [ln.strip() for ln in start.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert entries == ["_vllm_minicpm_hotfix_arm:start"]
     assert "[vllm.general_plugins]" in entry_points
     assert "minicpm_hotfix = vllm_minicpm_hotfix.plugin:register" in entry_points
     assert template == (REPO / "sitecustomize.py").read_text()
@@ -118,11 +123,13 @@ def test_wheel_ships_pth_entry_point_and_no_sitecustomize(wheel):
 
 
 def test_editable_install_ships_the_pth(work, tmp_path):
-    """``pip install -e .`` (PEP 660): the .pth lands in site-packages and arms the hotfix from the source tree."""
+    """``uv pip install -e .`` (PEP 660, hatchling's editable wheel): the .pth and the .start file land in
+    site-packages and arm the hotfix from the source tree. (tests/test_install_modes.py: ``pip install -e .``.)"""
     src = source_copy(tmp_path / "src")
     python = overlay_env(tmp_path / "env")
     pip_install(python, "-e", str(src))
-    assert (site_packages(python) / "vllm-minicpm-hotfix.pth").read_text() == (REPO / "vllm-minicpm-hotfix.pth").read_text()
+    for name in ("vllm-minicpm-hotfix.pth", "vllm-minicpm-hotfix.start"):
+        assert (site_packages(python) / name).read_text() == (REPO / name).read_text(), name
     out, _ = run_python(
         python,
         "import sys, json, vllm_minicpm_hotfix as h; print(json.dumps({'file': h.__file__, "

@@ -53,8 +53,8 @@ def source_copy(dst: Path, *, package_only: bool = False) -> Path:
     dst.mkdir(parents=True)
     shutil.copytree(REPO / "vllm_minicpm_hotfix", dst / "vllm_minicpm_hotfix", ignore=ignore)
     if not package_only:
-        for name in ("pyproject.toml", "setup.py", "README.md", "sitecustomize.py", "_vllm_minicpm_hotfix_arm.py",
-                     "vllm-minicpm-hotfix.pth"):
+        for name in ("pyproject.toml", "README.md", "sitecustomize.py", "_vllm_minicpm_hotfix_arm.py",
+                     "vllm-minicpm-hotfix.pth", "vllm-minicpm-hotfix.start"):
             if (REPO / name).exists():
                 shutil.copy(REPO / name, dst / name)
     return dst
@@ -224,6 +224,10 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
     assert act["startup"]["armed_by"] == {"pip": "pth", "bundle": "sitecustomize"}.get(setup)
     if pip_like:
         assert act["pth"]["files"][0].endswith("site-packages/vllm-minicpm-hotfix.pth")
+        # The .start file is installed too; Pythons before PEP 829 (3.15) arm through the .pth.
+        assert act["pth"]["start_files"][0].endswith("site-packages/vllm-minicpm-hotfix.start")
+        runs = "start" if sys.version_info >= (3, 15) else "pth"
+        assert act["pth"]["runs"] == (runs if setup == "pip" else None) and not act["pth"]["outside_site_dirs"]
         assert act["entry_point"]["entries"][0]["value"] == "vllm_minicpm_hotfix.plugin:register"
     if setup == "pip":
         assert activations[0] == "pth" and "plugin" in activations  # the .pth on `import vllm`, then the plugin

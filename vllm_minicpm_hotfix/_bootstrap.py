@@ -3,8 +3,9 @@
 Three paths call :func:`install_now`:
 
 * the start-up module ``_vllm_minicpm_hotfix_arm`` (top level, next to this package), which waits on
-  ``sys.meta_path`` as a finder -- armed by ``vllm-minicpm-hotfix.pth`` after ``pip install`` (``source="pth"``) and by the
-  ``sitecustomize.py`` of a PYTHONPATH-injected folder (``source="sitecustomize"``) -- when ``import vllm`` starts,
+  ``sys.meta_path`` as a finder -- armed after ``pip install`` by ``vllm-minicpm-hotfix.pth`` (``source="pth"``) or,
+  on Python 3.15+, by ``vllm-minicpm-hotfix.start`` (``source="start"``, PEP 829), and by the ``sitecustomize.py`` of
+  a PYTHONPATH-injected folder (``source="sitecustomize"``) -- when ``import vllm`` starts,
   before any of vLLM's own code runs. Start-up itself loads only that one small module, never this package: most
   processes of an environment never import vLLM;
 * the ``vllm.general_plugins`` entry point (:mod:`vllm_minicpm_hotfix.plugin`, ``source="plugin"``);
@@ -27,7 +28,8 @@ import sys
 #: Folder, next to the package, where a bundle keeps its pure-Python wrapt.
 VENDOR_DIR = "_vllm_minicpm_hotfix_vendor"
 
-#: What activated the hotfix in this process, in order ("pth", "sitecustomize", "plugin", ...), for tests and doctor.
+#: What activated the hotfix in this process, in order ("pth", "start", "sitecustomize", "plugin", ...), for tests and
+#: doctor.
 activations = []
 
 

@@ -42,7 +42,7 @@ PACKAGE = "vllm_minicpm_hotfix"
 MANIFEST = "vllm-minicpm-hotfix-bundle.json"
 #: Marker that identifies the hotfix's sitecustomize.py (defined in the repository's top-level sitecustomize.py).
 SITECUSTOMIZE_MARKER = "VLLM_MINICPM_HOTFIX_SITECUSTOMIZE = True"
-#: Where a wheel keeps a copy of the top-level sitecustomize.py (written by setup.py's build_py).
+#: The top-level sitecustomize.py inside the package (a symbolic link in the repository, a copy in the wheel).
 SITECUSTOMIZE_IN_PACKAGE = "_sitecustomize.py.txt"
 #: What a bundle consists of; only these are replaced when DIR is an earlier bundle.
 #: The top-level start-up module (``_vllm_minicpm_hotfix_arm.py`` next to the package; see setup in pyproject.toml).

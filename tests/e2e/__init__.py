@@ -10,9 +10,10 @@ or "an image without wrapt" gets a throwaway *overlay* of it instead:
   processes the ``.pth`` files in it -- the shared ones through their links, and ours once it is installed --
   exactly as in a container. (``PYTHONPATH`` or ``--target`` would not: ``site`` runs ``.pth`` files only in site
   directories.)
-* ``pip install``: the wheel built from a copy of the working tree with the environment's own setuptools (no
-  network), installed by ``uv pip install --no-deps`` into the overlay only. ``--no-deps`` also guarantees that the
-  installer never touches the linked (shared) packages.
+* ``pip install``: the wheel built from a copy of the working tree by ``uv build`` (PEP 517 build isolation: the build
+  backend, hatchling, comes from uv's cache -- offline -- or else from the package index), installed by
+  ``uv pip install --no-deps`` into the overlay only. ``--no-deps`` also guarantees that the installer never touches
+  the linked (shared) packages.
 
 Everything the helpers start is bounded by a timeout.
 """
@@ -46,13 +47,14 @@ def site_packages(python: str | os.PathLike = sys.executable) -> Path:
     return Path(out.stdout.strip())
 
 
-def overlay_env(dest: Path, *, wrapt: bool = True) -> Path:
-    """A throwaway venv over the running environment (see the module docstring); returns its ``python``."""
-    base = site_packages()
+def overlay_env(dest: Path, *, wrapt: bool = True, over: str | os.PathLike = sys.executable) -> Path:
+    """A throwaway venv over the running environment, or over the environment of the interpreter ``over`` (see the
+    module docstring); returns its ``python``."""
+    base = site_packages(over)
     if any(p.name.startswith((PACKAGE, "vllm-minicpm-hotfix", "vllm_minicpm_hotfix", "_vllm_minicpm_hotfix"))
            for p in base.iterdir()):
         raise RuntimeError(f"{base} has vllm-minicpm-hotfix installed; the shared test environment must not")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True, timeout=120)
+    subprocess.run([str(over), "-m", "venv", "--without-pip", str(dest)], check=True, timeout=120)
     python = dest / "bin" / "python"
     site = site_packages(python)
     for entry in base.iterdir():
@@ -73,18 +75,16 @@ def source_copy(dest: Path) -> Path:
 
 
 def build_wheel(dest: Path) -> Path:
-    """Build the package's wheel with this environment's setuptools (PEP 517 ``build_wheel``, no isolation, no
-    network) from a copy of the working tree; returns the ``.whl``."""
+    """Build the package's wheel from a copy of the working tree with ``uv build --wheel`` (PEP 517, build isolation:
+    hatchling from uv's cache, else from the package index); returns the ``.whl``."""
     src = source_copy(dest / "src")
     out = dest / "dist"
     out.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-c", f"import setuptools.build_meta as b; print(b.build_wheel({str(out)!r}))"],
-        cwd=src, capture_output=True, check=False, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""},
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"wheel build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return out / proc.stdout.strip().splitlines()[-1]
+    run_uv("build", "--wheel", "--python", sys.executable, "--out-dir", str(out), str(src))
+    wheels = list(out.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"uv build wrote {wheels} into {out}, expected one wheel")
+    return wheels[0]
 
 
 def uv() -> str:
@@ -94,16 +94,25 @@ def uv() -> str:
     return found
 
 
+def run_uv(*args: str, timeout: float = 300) -> None:
+    """``uv ARGS``, offline first (uv's cache holds the build backend after the first build), then with the package
+    index if that fails."""
+    errors = []
+    for mode in (["--offline"], []):
+        proc = subprocess.run([uv(), *args, *mode], capture_output=True, check=False, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONPATH": ""})
+        if proc.returncode == 0:
+            return
+        errors.append(f"uv {' '.join(args + tuple(mode))}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    raise RuntimeError("\n".join(errors))
+
+
 def pip_install(python: Path, *args: str) -> None:
-    """``uv pip install --no-deps ARGS`` into ``python``'s environment (an overlay, never the shared one)."""
+    """``uv pip install --no-deps ARGS`` into ``python``'s environment (an overlay, never the shared one). An editable
+    install (``-e DIR``) builds with build isolation, like a wheel."""
     if site_packages(python) == site_packages():
         raise RuntimeError("refusing to install into the shared test environment")
-    proc = subprocess.run(
-        [uv(), "pip", "install", "--no-deps", "--no-build-isolation", "--offline", "--python", str(python), *args],
-        capture_output=True, check=False, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""},
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"uv pip install {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    run_uv("pip", "install", "--no-deps", "--python", str(python), *args)
 
 
 def make_bundle(dest: Path, python: str | os.PathLike = sys.executable) -> Path:
