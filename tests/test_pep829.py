@@ -2,10 +2,10 @@
 presence makes ``site`` skip the import line of the matching ``vllm-minicpm-hotfix.pth``.
 
 Only the real ``site.py`` of a Python that implements PEP 829 can show this, and the test environments run older
-Pythons, so this module needs one named by ``VLLM_MINICPM_HOTFIX_PEP829_PYTHON`` (a ``python3.15`` or later; nothing
-in this repository builds or ships one). The module is placed on 0.28.0 when the variable is set and nowhere
-otherwise (deselected, not skipped: never reported as passing); run anyway (``VLLM_MINICPM_HOTFIX_EVERYWHERE=1``)
-without it, every test here FAILS with that reason. The plain-Python half (the entry point
+Pythons, so this module needs one named by ``VLLM_MINICPM_HOTFIX_PEP829_PYTHON`` (a ``python3.15`` or later).
+scripts/test sets it to what ``scripts/pep829-python`` prints: Debian's own python3.15 binary packages, downloaded
+and unpacked (nothing is built). The module is placed on 0.28.0; without the variable every test here FAILS with
+that reason (never skipped, never reported as passing). The plain-Python half (the entry point
 resolves with ``pkgutil.resolve_name`` and arms the finder once) runs everywhere: tests/test_install_modes.py.
 
 vLLM has no build for that Python, so the finder's ``import vllm`` trigger is shown with a stand-in ``vllm`` package
@@ -25,7 +25,7 @@ import pytest
 from e2e import clean_env, run_python, run_uv
 
 ENV_VAR = "VLLM_MINICPM_HOTFIX_PEP829_PYTHON"
-pytestmark = pytest.mark.placed("0.28.0") if os.environ.get(ENV_VAR) else pytest.mark.placed()
+pytestmark = pytest.mark.placed("0.28.0")
 START = "vllm-minicpm-hotfix.start"
 PTH = "vllm-minicpm-hotfix.pth"
 
