@@ -41,18 +41,13 @@ from .doctor_facts import (
     mode_facts,
     python_facts,
     run_child,
-    startup_facts,
+    startup_facts,  # noqa: F401 - re-exported: doctor.startup_facts
     vllm_facts,
     wrapt_facts,
     wrapt_used,
 )
-from .doctor_judge import activation_advice, assess_fixes, judge
+from .doctor_judge import assess_fixes, judge
 from .doctor_render import render, rows
-
-__all__ = [
-    "activation_advice", "activation_facts", "assess_fixes", "collect", "judge", "main", "mode_facts",
-    "python_facts", "render", "rows", "run_child", "startup_facts", "vllm_facts", "wrapt_facts",
-]
 
 
 def collect(timeout: float = 600.0) -> dict[str, Any]:

@@ -48,27 +48,9 @@ import time
 from . import quant_layout
 from . import verify_render as render
 from ._cliutil import exc_line, one_line, peak_rss_mib, print_verdict, progress
-from .verify_checkpoint import (
-    ARCHITECTURE,
-    ATTN_PREFIXES,
-    DEFAULT_MODEL,
-    MODEL_TYPE,
-    QKV,
-    SUFFIXES,
-    BadInput,
-    Checkpoint,
-    TensorMeta,
-    inspect_checkpoint,
-    read_header,
-    read_reference,
-    read_tensor,
-    resolve_model,
-    stream_checkpoint,
-    unreadable,
-)
-from .verify_judge import PARAM_PREFIX, Row, _compare, compare, verdict
+from .verify_checkpoint import BadInput, inspect_checkpoint, read_reference, resolve_model, stream_checkpoint
+from .verify_judge import _compare, compare, verdict  # noqa: F401 - _compare re-exported (tests/test_cli.py)
 from .verify_vllm import (
-    Built,
     VerifyFailed,
     build_model,
     hotfix_state,
@@ -76,14 +58,6 @@ from .verify_vllm import (
     load,
     start_vllm_like_its_processes,
 )
-
-__all__ = [
-    "ARCHITECTURE", "ATTN_PREFIXES", "DEFAULT_MODEL", "EXIT_BAD_INPUT", "EXIT_FAIL", "EXIT_OK", "MODEL_TYPE",
-    "PARAM_PREFIX", "QKV", "SUFFIXES", "BadInput", "Built", "Checkpoint", "Row", "TensorMeta", "VerifyFailed",
-    "_compare", "build_model", "compare", "hotfix_state", "inspect_checkpoint", "language_model_filter", "load",
-    "main", "read_header", "read_reference", "read_tensor", "resolve_model", "start_vllm_like_its_processes",
-    "stream_checkpoint", "unreadable", "verdict",
-]
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
