@@ -169,7 +169,8 @@ def image_request(ckpt: Path = BUNDLED) -> bool:
 
     os.environ.update(ENGINE_ENV)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    print(f"engine: PYTHONPATH={os.environ['PYTHONPATH']} (its sitecustomize.py arms the hotfix in EngineCore), "
+    print(f"engine: PYTHONPATH={os.environ['PYTHONPATH']} (its sitecustomize.py arms the hotfix in the engine's "
+          f"processes: EngineCore and its worker), "
           f"{', '.join(f'{k}={v}' for k, v in ENGINE_ARGS.items() if k != 'limit_mm_per_prompt')}", flush=True)
     t = time.time()
     llm = LLM(model=str(ckpt), **ENGINE_ARGS)
@@ -188,9 +189,13 @@ def image_request(ckpt: Path = BUNDLED) -> bool:
 
 
 def main() -> int:
-    t0 = time.time()
     sys.path.insert(0, str(REPO))
-    ckpt = Path(tempfile.mkdtemp(prefix="minicpm-demo-")) / "tiny-minicpm-v46"
+    with tempfile.TemporaryDirectory(prefix="minicpm-demo-") as work:
+        return run(Path(work) / "tiny-minicpm-v46")
+
+
+def run(ckpt: Path) -> int:
+    t0 = time.time()
     step(f"writing the tiny MiniCPM-V 4.6 checkpoint with transformers' save_pretrained -> {ckpt}")
     writer = start_writing_checkpoint(ckpt)  # meanwhile: import vLLM (the two take about as long)
     import vllm
