@@ -140,3 +140,57 @@ def test_unreadable_folder_entry(tmp_path):
     with pytest.raises(BadInput) as info:
         inspect_checkpoint(ckpt, "test")
     assert str(info.value).startswith(f"{ckpt / 'model.safetensors'}")
+
+
+def _drawn_on_a_terminal(total: int, steps: int) -> str:
+    """What ``progress`` writes to a pseudo-terminal 100 columns wide over ``steps`` equal updates."""
+    import fcntl
+    import os
+    import select
+    import struct
+    import termios
+
+    from vllm_minicpm_hotfix._cliutil import progress
+
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        with open(follower, "w", closefd=False) as tty:
+            assert tty.isatty()
+            with progress(total, "loading", stream=tty) as bar:
+                for _ in range(steps):
+                    bar.update(total // steps)
+            tty.flush()
+        ready, _, _ = select.select([leader], [], [], 10)
+        return os.read(leader, 65536).decode(errors="replace") if ready else ""
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
+def test_progress_only_on_a_terminal():
+    """``verify``'s loading bar: tqdm on a terminal (a pseudo-terminal here), nothing at all when stdout is a file or
+    a pipe, and erased when done (``leave=False``)."""
+    import io
+
+    from vllm_minicpm_hotfix._cliutil import progress
+
+    off = io.StringIO()
+    with progress(3 * 2**20, "loading", stream=off) as bar:
+        for _ in range(3):
+            bar.update(2**20)
+    assert off.getvalue() == ""
+
+    drawn = _drawn_on_a_terminal(3 * 2**20, 3)
+    assert drawn.startswith("\rloading:") and "/3.00M [" in drawn, drawn  # bytes, 1024-based units
+    assert drawn.endswith("\r") and drawn.rstrip("\r").split("\r")[-1].strip() == "", drawn  # erased when done
+
+
+def test_progress_without_tqdm_is_a_plain_line(monkeypatch):
+    """An environment without tqdm (it is not a dependency of the package): one rewritten line, then erased."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # `from tqdm.auto import tqdm` now raises ImportError
+    drawn = _drawn_on_a_terminal(3 * 2**20, 3)
+    assert drawn.startswith("\r  loading ") and "100% (3.0 MiB of 3.0 MiB)" in drawn, drawn
+    assert drawn.endswith("\r\x1b[K"), drawn
