@@ -5,6 +5,9 @@ tests/test_cli.py starts, for each way the hotfix can be present.
 
 The point of running it by path: what it reports must be what the *environment* did at start-up, with nothing of the
 package imported by the child itself, and without its own folder (the package folder) on ``sys.path``.
+
+Placed where tests/test_cli.py runs the child's ``vllm`` mode (``FULL_ENVS``): start-up does not depend on the vLLM
+release.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+import pytest
+from conftest import FULL_ENVS, REPO
 
 from vllm_minicpm_hotfix import doctor_child, doctor_facts
+
+pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 NAMES = json.dumps(doctor_facts.child_names())
 PACKAGE_DIR = str(REPO / "vllm_minicpm_hotfix")

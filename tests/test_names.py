@@ -5,6 +5,8 @@ start-up and may import nothing from the package, and pyproject.toml is not Pyth
 name the package defines (in :mod:`vllm_minicpm_hotfix._bootstrap`, :mod:`vllm_minicpm_hotfix.plugin`,
 :mod:`vllm_minicpm_hotfix.decision`). These tests keep the copies equal to the definitions; everything else imports
 the definition.
+
+Placed on the two full environments (tests/conftest.py ``FULL_ENVS``): the names do not depend on the vLLM release.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from __future__ import annotations
 import ast
 import re
 
-from conftest import REPO
+import pytest
+from conftest import FULL_ENVS, REPO
 
 from vllm_minicpm_hotfix import _bootstrap, bundle, decision, doctor_facts, hook, plugin
 from vllm_minicpm_hotfix.fixes import qkv_loader
+
+pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 
 def _assigned(path, name):

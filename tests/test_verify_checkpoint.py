@@ -5,6 +5,9 @@ it -- which safetensors' (and so vLLM's) own error does not.
 Real files only: the bundled tiny checkpoint, re-split into shards with safetensors, and copies of it broken the ways
 downloads break (cut short, trailing bytes, a garbage or corrupt header, an unknown dtype). The reference for what a
 file holds is ``safetensors.torch.load_file`` and vLLM's iterator, not this module.
+
+Placed where ``verify`` itself is tested (tests/test_cli.py, ``FULL_ENVS``): every lock pins the same safetensors,
+and vLLM's ``safetensors_weights_iterator`` has the same signature and order in 0.22-0.33.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import FULL_ENVS, TINY
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vllm_minicpm_hotfix import verify
 from vllm_minicpm_hotfix.verify_checkpoint import BadInput, inspect_checkpoint, read_header, read_tensor
+
+pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 WEIGHTS = TINY / "model.safetensors"
 
