@@ -1,8 +1,29 @@
-"""Demo body, run by scripts/demo inside a vLLM CPU environment. See scripts/demo."""
+"""The demo body, run by scripts/demo inside a vLLM CPU environment (see scripts/demo).
+
+What a user with a broken ``vllm serve`` recognises, in four steps, on the CPU:
+
+1. transformers writes the tiny MiniCPM-V 4.6 checkpoint (``scripts/make_tiny_checkpoint.py``, in a second process
+   while this one imports vLLM); its weights must be byte-identical to the copy bundled in the package, or the demo
+   stops with exit status 1 (:func:`compare_with_bundled`).
+2. Stock vLLM: its real ``MiniCPMV4_6ForConditionalGeneration`` built on the CPU loads that checkpoint through its own
+   ``load_weights`` (the call vLLM's ``DefaultModelLoader`` makes) and fails with the error from the user's log; each
+   fix's probe says what else is broken here (with transformers >= 5.23: the image placeholder count).
+3. The hotfix (``vllm_minicpm_hotfix.install()``): the same load succeeds, and vLLM's fused ``qkv_proj`` equals
+   ``cat(q, k, v)`` of the checkpoint and ``out_proj`` the checkpoint's, bit for bit (``torch.equal``).
+4. One image request answered through vLLM's engine (``LLM.generate``, ``enforce_eager``, bf16, the bundled tiny
+   checkpoint). The engine's own process (EngineCore, started with ``spawn``: a fresh interpreter, nothing inherited
+   from this one) gets the hotfix the way a user's does: ``PYTHONPATH`` names the repository, whose
+   ``sitecustomize.py`` arms it at start-up. The number of image placeholder tokens in the prompt vLLM built must equal
+   the number transformers' own ``MiniCPMV4_6Processor`` inserts for the same text and image.
+
+Exit status 0 when all of it holds, 1 otherwise (the last line says which part failed).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -10,48 +31,98 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
+BUNDLED = REPO / "vllm_minicpm_hotfix" / "data" / "tiny-minicpm-v46"
+#: The checkpoint's weights: what must be byte-identical (the JSON configs carry the writing transformers' version).
+WEIGHTS = ("model.safetensors",)
 PREFIX = "model.vision_tower.vit_merger.self_attn."
+#: The engine on a CPU (shared/notes/vllm-on-cpu.md; the same settings as tests/e2e/test_serve.py).
+ENGINE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # EngineCore is a fresh interpreter: the hotfix must come from PYTHONPATH
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+ENGINE_ARGS = {
+    "dtype": "bfloat16",  # the CPU GDN attention kernels require BF16
+    "mamba_ssm_cache_dtype": "float32",  # 0.22-0.32's CPU GDN kernel wants a float32 SSM state
+    "enforce_eager": True,
+    "max_model_len": 512,
+    "max_num_seqs": 2,
+    "gpu_memory_utilization": 0.1,  # the default 0.92 is refused on CPU; the KV cache is VLLM_CPU_KVCACHE_SPACE
+    "limit_mm_per_prompt": {"image": 1, "video": 0},  # images on: the vision tower (and both bugs) stay in
+}
 
 
 def step(msg: str) -> None:
     print(f"\n== {msg}", flush=True)
 
 
-def main() -> int:
-    workdir = Path(tempfile.mkdtemp(prefix="minicpm-demo-"))
-    ckpt = workdir / "tiny-minicpm-v46"
-    step(f"writing the tiny MiniCPM-V 4.6 checkpoint with transformers' save_pretrained -> {ckpt}")
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_checkpoint.py"), str(ckpt)], check=True)
-    bundled = REPO / "vllm_minicpm_hotfix" / "data" / "tiny-minicpm-v46" / "model.safetensors"
-    digest = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
-    same = digest == hashlib.sha256(bundled.read_bytes()).hexdigest()
-    print(f"model.safetensors sha256 {digest[:16]}... ({'identical to' if same else 'DIFFERS from'} the bundled copy)")
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
-    t0 = time.time()
-    import vllm
 
-    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint
+def compare_with_bundled(written: Path, bundled: Path = BUNDLED) -> tuple[bool, list[str]]:
+    """``(ok, one line per file)``: ``ok`` when every weights file of ``bundled`` (:data:`WEIGHTS`) is in
+    ``written`` byte for byte. The other files are listed as identical or not (transformers writes its own version
+    into the JSON configs), without deciding ``ok``."""
+    ok, lines = True, []
+    for f in sorted(p for p in bundled.iterdir() if p.is_file()):
+        mine = written / f.name
+        if not mine.is_file():
+            same, what = False, "MISSING from the written checkpoint"
+        else:
+            same = mine.read_bytes() == f.read_bytes()
+            what = f"identical (sha256 {sha256(f)[:16]}...)" if same else "DIFFERS"
+        if f.name in WEIGHTS:
+            ok &= same
+        elif not same:
+            what += " (not the weights: transformers writes its own version and defaults here)"
+        lines.append(f"{f.name:24} {what}")
+    return ok, lines
 
-    print(f"vLLM {vllm.__version__} imported in {time.time() - t0:.0f} s")
 
-    step("stock vLLM: build MiniCPMV4_6ForConditionalGeneration on CPU, load the checkpoint with its own load_weights")
+def start_writing_checkpoint(dest: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "scripts" / "make_tiny_checkpoint.py"), str(dest)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def stock_load(ckpt: Path) -> None:
+    """Stock vLLM's own load of ``ckpt``; then every fix's probe on stock vLLM."""
+    import importlib
+
+    from vllm_minicpm_hotfix.fixes import REGISTRY
+    from vllm_minicpm_hotfix.hook import TARGET_MODULE
+    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, load_checkpoint
+
     model = build_vllm_model(ckpt, load=False)
     try:
         load_checkpoint(model, ckpt)
-        print("stock vLLM loaded it (this release is not broken)")
+        print("stock vLLM loaded it (this release loads MiniCPM-V 4.6 correctly)")
     except ValueError as exc:
-        print(f"stock vLLM FAILED, as users saw it:\n  ValueError: {str(exc)[:200]}...")
+        print(f"stock vLLM FAILED, as in the user's log:\n  ValueError: {str(exc)[:200]}...")
+    module = importlib.import_module(TARGET_MODULE)
+    print("what each fix's probe finds in stock vLLM here:")
+    for fix in REGISTRY:
+        v = fix.probe(module)
+        error = re.search(r"\b\w+Error: .*", v.reason)
+        detail = f" -- {error.group(0)[:160]}" if error and v.state.value != "correct" else ""
+        print(f"  {fix.LABEL}: {v.state.value}{detail}")
 
-    step("with the hotfix: vllm_minicpm_hotfix.install()")
+
+def patched_load(ckpt: Path) -> bool:
+    """``install()``, the same load, and the bit-exact table. True if every tensor is equal."""
+    import torch
+
     import vllm_minicpm_hotfix
+    from vllm_minicpm_hotfix.fixes import REGISTRY
+    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint
 
     vllm_minicpm_hotfix.install()
-    fix = vllm_minicpm_hotfix.status()["fixes"]["qkv_loader"]
-    print(f"verdict: {fix['verdict']}; applied: {fix['applied']}\n  {fix['why'][:160]}")
+    fixes = vllm_minicpm_hotfix.status()["fixes"]
+    print("hotfix: " + "; ".join(f"{f.LABEL} {'PATCHED' if fixes[f.NAME]['applied'] else 'not needed'}"
+                                 for f in REGISTRY))
     model = build_vllm_model(ckpt, load=False)
     load_checkpoint(model, ckpt)
     print("loaded.")
@@ -71,9 +142,89 @@ def main() -> int:
     for name, src, got, want in rows:
         equal = torch.equal(got.detach(), want)
         ok &= equal
-        print(f"{name:42} {src:13} {str(list(got.shape)):12} {str(got.dtype):14} {'EXACT' if equal else 'MISMATCH'}")
-    print("\nPASS: the hotfix loads MiniCPM-V 4.6 bit-exact" if ok else "\nFAIL")
-    return 0 if ok else 1
+        print(f"{name:42} {src:13} {list(got.shape)!s:12} {got.dtype!s:14} {'EXACT' if equal else 'MISMATCH'}")
+    return ok
+
+
+def demo_image():
+    """A 320 x 200 gradient: sliced by the processor (scale_resolution 112), so the count exercises the rounding."""
+    from PIL import Image
+
+    img = Image.new("RGB", (320, 200))
+    img.putdata([((x * 7) % 256, (y * 5) % 256, 128) for y in range(200) for x in range(320)])
+    return img
+
+
+def image_request(ckpt: Path = BUNDLED) -> bool:
+    """One image request through ``LLM.generate``; True if vLLM's placeholder count equals transformers'."""
+    from transformers import AutoProcessor
+    from vllm import LLM, SamplingParams
+
+    img = demo_image()
+    hf = AutoProcessor.from_pretrained(str(ckpt))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]
+    prompt = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    hf_ids = hf(text=[prompt], images=[img])["input_ids"][0].tolist()
+    pad = hf.image_token_id
+
+    os.environ.update(ENGINE_ENV)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    print(f"engine: PYTHONPATH={os.environ['PYTHONPATH']} (its sitecustomize.py arms the hotfix in the engine's "
+          f"processes: EngineCore and its worker), "
+          f"{', '.join(f'{k}={v}' for k, v in ENGINE_ARGS.items() if k != 'limit_mm_per_prompt')}", flush=True)
+    t = time.time()
+    llm = LLM(model=str(ckpt), **ENGINE_ARGS)
+    print(f"engine ready in {time.time() - t:.0f} s; one request: {img.width}x{img.height} image + "
+          f"\"What is in the image?\"", flush=True)
+    t = time.time()
+    (out,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": img}},
+                          SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    vllm_ids = list(out.prompt_token_ids)
+    generated = list(out.outputs[0].token_ids)
+    print(f"answered in {time.time() - t:.1f} s: {len(generated)} tokens generated {generated}")
+    print(f"image placeholder tokens (<|image_pad|>): vLLM's prompt {vllm_ids.count(pad)}, transformers' "
+          f"MiniCPMV4_6Processor {hf_ids.count(pad)}; whole prompt {len(vllm_ids)} vs {len(hf_ids)} tokens, "
+          f"{'identical' if vllm_ids == hf_ids else 'DIFFERENT'}")
+    return vllm_ids.count(pad) == hf_ids.count(pad) > 0 and len(generated) == 8
+
+
+def main() -> int:
+    sys.path.insert(0, str(REPO))
+    with tempfile.TemporaryDirectory(prefix="minicpm-demo-") as work:
+        return run(Path(work) / "tiny-minicpm-v46")
+
+
+def run(ckpt: Path) -> int:
+    t0 = time.time()
+    step(f"writing the tiny MiniCPM-V 4.6 checkpoint with transformers' save_pretrained -> {ckpt}")
+    writer = start_writing_checkpoint(ckpt)  # meanwhile: import vLLM (the two take about as long)
+    import vllm
+
+    print(f"vLLM {vllm.__version__} imported in {time.time() - t0:.0f} s", flush=True)
+    _, err = writer.communicate()
+    if writer.returncode != 0:
+        print(err[-3000:], file=sys.stderr)
+        print(f"\nFAIL: scripts/make_tiny_checkpoint.py exited with status {writer.returncode}")
+        return 1
+    same, lines = compare_with_bundled(ckpt)
+    print("against the bundled copy:\n  " + "\n  ".join(lines))
+    if not same:
+        print(f"\nFAIL: the written weights are not byte-identical to {BUNDLED}/{WEIGHTS[0]}")
+        return 1
+
+    step("stock vLLM: build MiniCPMV4_6ForConditionalGeneration on CPU, load the checkpoint with its own load_weights")
+    stock_load(ckpt)
+    step("with the hotfix: vllm_minicpm_hotfix.install(), the same load")
+    if not patched_load(ckpt):
+        print("\nFAIL: a vit_merger tensor differs from the checkpoint")
+        return 1
+    step("one image request through vLLM's engine (LLM.generate, CPU, enforce_eager)")
+    if not image_request():
+        print("\nFAIL: vLLM's image placeholder count differs from transformers' (or nothing was generated)")
+        return 1
+    print(f"\nPASS: the hotfix loads MiniCPM-V 4.6 bit-exact and the engine answers an image request with "
+          f"transformers' placeholder count ({time.time() - t0:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -27,6 +27,18 @@ import sys
 
 #: Folder, next to the package, where a bundle keeps its pure-Python wrapt.
 VENDOR_DIR = "_vllm_minicpm_hotfix_vendor"
+#: The start-up module the ``.pth`` and ``sitecustomize.py`` import (top level, next to the package). Both may import
+#: nothing, so they spell the name themselves; tests/test_names.py keeps them equal to this.
+ARM_MODULE = "_vllm_minicpm_hotfix_arm"
+#: The attribute that marks the start-up module waiting on ``sys.meta_path`` (the start-up module's own
+#: ``FINDER_FLAG``, kept equal by tests/test_names.py).
+FINDER_FLAG = "_vllm_minicpm_hotfix_waiting"
+#: The ``.pth`` file a pip install puts in site-packages (the file of that name at the repository root).
+PTH_NAME = "vllm-minicpm-hotfix.pth"
+#: Its PEP 829 start-up file next to it (Python 3.15+ call its entry point and skip the ``.pth``'s import line).
+START_NAME = "vllm-minicpm-hotfix.start"
+#: The module attribute (``= True``) that marks the hotfix's ``sitecustomize.py``.
+SITECUSTOMIZE_MARKER = "VLLM_MINICPM_HOTFIX_SITECUSTOMIZE"
 
 #: What activated the hotfix in this process, in order ("pth", "start", "sitecustomize", "plugin", ...), for tests and
 #: doctor.

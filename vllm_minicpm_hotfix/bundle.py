@@ -36,18 +36,18 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from ._bootstrap import VENDOR_DIR
+from ._bootstrap import ARM_MODULE, SITECUSTOMIZE_MARKER, VENDOR_DIR
 
 PACKAGE = "vllm_minicpm_hotfix"
 MANIFEST = "vllm-minicpm-hotfix-bundle.json"
-#: Marker that identifies the hotfix's sitecustomize.py (defined in the repository's top-level sitecustomize.py).
-SITECUSTOMIZE_MARKER = "VLLM_MINICPM_HOTFIX_SITECUSTOMIZE = True"
+#: The line that identifies the hotfix's sitecustomize.py (the repository's top-level sitecustomize.py has it).
+SITECUSTOMIZE_LINE = f"{SITECUSTOMIZE_MARKER} = True"
 #: The top-level sitecustomize.py inside the package (a symbolic link in the repository, a copy in the wheel).
 SITECUSTOMIZE_IN_PACKAGE = "_sitecustomize.py.txt"
+#: The top-level start-up module's file (next to the package; pyproject.toml ships it).
+ARM_FILE = f"{ARM_MODULE}.py"
 #: What a bundle consists of; only these are replaced when DIR is an earlier bundle.
-#: The top-level start-up module (``_vllm_minicpm_hotfix_arm.py`` next to the package; see setup in pyproject.toml).
-ARM_MODULE = "_vllm_minicpm_hotfix_arm.py"
-ENTRIES = ("sitecustomize.py", ARM_MODULE, "__pycache__", PACKAGE, VENDOR_DIR, MANIFEST)
+ENTRIES = ("sitecustomize.py", ARM_FILE, "__pycache__", PACKAGE, VENDOR_DIR, MANIFEST)
 CONTAINER_DIR = "/opt/vllm-minicpm-hotfix"
 
 
@@ -64,7 +64,7 @@ def sitecustomize_source() -> Path:
     package (a clone of the repository, an editable install, or a bundle made from a bundle)."""
     for candidate in (package_dir() / SITECUSTOMIZE_IN_PACKAGE, package_dir().parent / "sitecustomize.py"):
         try:
-            if SITECUSTOMIZE_MARKER in candidate.read_text(encoding="utf-8"):
+            if SITECUSTOMIZE_LINE in candidate.read_text(encoding="utf-8"):
                 return candidate
         except OSError:
             continue
@@ -77,7 +77,7 @@ def sitecustomize_source() -> Path:
 def arm_module_source() -> Path:
     """The start-up module ``_vllm_minicpm_hotfix_arm.py`` installed next to this package (wheel, editable install,
     clone of the repository, bundle)."""
-    candidate = package_dir().parent / ARM_MODULE
+    candidate = package_dir().parent / ARM_FILE
     if not candidate.is_file():
         raise BundleError(f"cannot find {candidate} next to the package; reinstall vllm-minicpm-hotfix")
     return candidate
@@ -91,7 +91,7 @@ def write_bytecode(dest: Path) -> None:
 
     mode = py_compile.PycInvalidationMode.CHECKED_HASH
     ok = all(compileall.compile_file(str(dest / name), quiet=1, invalidation_mode=mode)
-             for name in ("sitecustomize.py", ARM_MODULE))
+             for name in ("sitecustomize.py", ARM_FILE))
     ok = all([ok] + [compileall.compile_dir(str(dest / name), quiet=1, invalidation_mode=mode)
                      for name in (PACKAGE, VENDOR_DIR) if (dest / name).is_dir()])
     if not ok:
@@ -155,7 +155,7 @@ def prepare_target(dest: Path, force: bool) -> None:
     if present and MANIFEST not in present and not force:
         raise BundleError(f"{dest} is not empty and holds no earlier bundle; choose an empty folder or pass --force")
     theirs = dest / "sitecustomize.py"
-    if theirs.is_file() and SITECUSTOMIZE_MARKER not in theirs.read_text(encoding="utf-8", errors="replace"):
+    if theirs.is_file() and SITECUSTOMIZE_LINE not in theirs.read_text(encoding="utf-8", errors="replace"):
         raise BundleError(f"{theirs} is not the hotfix's; refusing to replace it")
     for name in ENTRIES:
         path = dest / name
@@ -182,7 +182,7 @@ def write_bundle(dest: str | os.PathLike, *, wrapt: bool = True, force: bool = F
     prepare_target(dest, force)
     shutil.copytree(package_dir(), dest / PACKAGE, ignore=_ignore)
     shutil.copyfile(template, dest / "sitecustomize.py")
-    shutil.copyfile(arm, dest / ARM_MODULE)
+    shutil.copyfile(arm, dest / ARM_FILE)
     wrapt_version = copy_wrapt(dest / VENDOR_DIR) if wrapt else None
     write_bytecode(dest)
     manifest = {

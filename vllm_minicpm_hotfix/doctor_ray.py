@@ -57,17 +57,31 @@ def _unreachable(address: str) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
-def node_facts() -> dict[str, Any]:
+def node_names() -> dict[str, Any]:
+    """The names :func:`node_facts` looks for on a node, from the modules that define them (the node may not have
+    the package: they travel as the task's argument)."""
+    from . import _bootstrap, plugin
+    from .bundle import PACKAGE
+    from .decision import ENV_VAR, OFF_VALUES
+
+    return {"plugin_group": plugin.GROUP, "plugin_name": plugin.NAME, "package": PACKAGE,
+            "arm_module": _bootstrap.ARM_MODULE, "finder_flag": _bootstrap.FINDER_FLAG,
+            "sitecustomize_marker": _bootstrap.SITECUSTOMIZE_MARKER, "pth_name": _bootstrap.PTH_NAME,
+            "vendor_dir": _bootstrap.VENDOR_DIR, "env_var": ENV_VAR, "off_values": sorted(OFF_VALUES)}
+
+
+def node_facts(names: dict[str, Any]) -> dict[str, Any]:
     """What a Ray worker process on this node would do about the hotfix. Runs *on the node*, pickled by value, so it
-    uses only the standard library and the copy of the package the node has (if any). Never raises."""
+    uses only the standard library and the copy of the package the node has (if any); ``names`` is
+    :func:`node_names` from the driver. Never raises."""
     import importlib.util
     import os
     import socket
     import sys
     from importlib import metadata
 
-    plugin_group, plugin_name, package = "vllm.general_plugins", "minicpm_hotfix", "vllm_minicpm_hotfix"
-    off_values = ("off", "0", "false", "no", "disable", "disabled")
+    plugin_group, plugin_name, package = names["plugin_group"], names["plugin_name"], names["package"]
+    pth_name = names["pth_name"]
     facts: dict[str, Any] = {"pid": os.getpid(), "hostname": socket.gethostname(),
                              "python": sys.version.split()[0], "executable": sys.executable,
                              "pythonpath": os.environ.get("PYTHONPATH")}
@@ -93,13 +107,13 @@ def node_facts() -> dict[str, Any]:
     facts["vllm_imported"] = "vllm" in sys.modules
 
     # start-up: the waiting finder, what armed it, the sitecustomize that ran, .pth files in the site directories
-    arm = sys.modules.get("_vllm_minicpm_hotfix_arm")
-    waiting = next((f for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)), None)
+    arm = sys.modules.get(names["arm_module"])
+    waiting = next((f for f in sys.meta_path if getattr(f, names["finder_flag"], False)), None)
     facts["armed_by"] = getattr(waiting, "source", None) if waiting is not None else None
     facts["arm_module"] = getattr(arm, "__file__", None)
     sc = sys.modules.get("sitecustomize")
     facts["sitecustomize"] = getattr(sc, "__file__", None)
-    facts["sitecustomize_ours"] = bool(getattr(sc, "VLLM_MINICPM_HOTFIX_SITECUSTOMIZE", False))
+    facts["sitecustomize_ours"] = bool(getattr(sc, names["sitecustomize_marker"], False))
 
     def pth_files():
         import site
@@ -107,8 +121,7 @@ def node_facts() -> dict[str, Any]:
         dirs = list(site.getsitepackages())
         if site.ENABLE_USER_SITE:
             dirs.append(site.getusersitepackages())
-        return [os.path.join(d, "vllm-minicpm-hotfix.pth") for d in dirs
-                if os.path.isfile(os.path.join(d, "vllm-minicpm-hotfix.pth"))]
+        return [os.path.join(d, pth_name) for d in dirs if os.path.isfile(os.path.join(d, pth_name))]
 
     facts["pth"] = guard("pth", pth_files, [])
 
@@ -123,13 +136,14 @@ def node_facts() -> dict[str, Any]:
     raw = os.environ.get("VLLM_PLUGINS")
     facts["vllm_plugins"] = raw
     facts["plugin_allowed"] = raw is None or plugin_name in raw.split(",")
+    facts["plugin_name"] = plugin_name
 
     # the package, the mode, wrapt
     spec = guard("package", lambda: importlib.util.find_spec(package))
     facts["package"] = spec.origin if spec is not None else None
     facts["package_version"] = None
-    facts["mode_env"] = os.environ.get("VLLM_MINICPM_HOTFIX")
-    mode = "off" if (facts["mode_env"] or "").strip().lower() in off_values else None
+    facts["mode_env"] = os.environ.get(names["env_var"])
+    mode = "off" if (facts["mode_env"] or "").strip().lower() in names["off_values"] else None
     facts["hook_installed"] = None
     if spec is not None:
         def package_facts():
@@ -155,7 +169,7 @@ def node_facts() -> dict[str, Any]:
             return {"source": "installed", "version": version, "path": os.path.dirname(w.origin)}
         if spec is not None and spec.origin:
             vendored = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(spec.origin))),
-                                    "_vllm_minicpm_hotfix_vendor", "wrapt")
+                                    names["vendor_dir"], "wrapt")
             if os.path.isdir(vendored):
                 return {"source": "bundled", "version": None, "path": vendored}
         return None
@@ -187,7 +201,8 @@ def _verdict(f: dict[str, Any]) -> dict[str, Any]:
                 "why": "vLLM's worker calls load_general_plugins() (only in vLLM's own processes)"}
     if f["entry_point"]:
         return {"activates": False, "via": "",
-                "why": f"VLLM_PLUGINS={f['vllm_plugins']!r} leaves out 'minicpm_hotfix' and nothing armed at start-up"}
+                "why": f"VLLM_PLUGINS={f['vllm_plugins']!r} leaves out {f['plugin_name']!r} and nothing armed at "
+                       f"start-up"}
     return {"activates": False, "via": "",
             "why": "the package is importable but nothing armed it (no .pth run, no hotfix sitecustomize)"}
 
@@ -211,8 +226,9 @@ def probe_cluster(address: str | None = None, runtime_env: dict | None = None,
     try:
         nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeManagerAddress"])
         probe = ray.remote(num_cpus=0, max_retries=0)(node_facts)
-        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-                for n in nodes]
+        names = node_names()
+        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+                names) for n in nodes]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         out = []
         for n, ref in zip(nodes, refs):

@@ -14,6 +14,11 @@ vLLM lets an exception raised by a plugin function propagate (only a failing *im
 swallowed), so :func:`register` never raises: a failure is logged and vLLM runs unpatched.
 """
 
+#: The entry-point group vLLM's ``load_general_plugins()`` reads, and our entry point's name in it (pyproject.toml
+#: declares them; tests/test_names.py keeps the two equal).
+GROUP = "vllm.general_plugins"
+NAME = "minicpm_hotfix"
+
 
 def register() -> None:
     """vLLM general-plugin entry point: register the post-import hook in this process (idempotent; nothing if

