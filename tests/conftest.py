@@ -154,6 +154,7 @@ def pytest_configure(config):
         "placed(*specs): run only in these environments (scripts/test specs, e.g. '0.28.0'); elsewhere the tests are "
         "deselected -- not skipped -- and the module's docstring says why it runs where it does",
     )
+    config.addinivalue_line("markers", "ray: starts a Ray cluster (tests/e2e/test_ray.py); `-m 'not ray'` leaves it out")
 
 
 def pytest_collection_modifyitems(config, items):
