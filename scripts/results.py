@@ -167,7 +167,8 @@ def render_run(data: dict) -> str:
 
 
 def render_verdicts(data: dict) -> str:
-    """Environment x fix: the verdict of the fix's probe on stock vLLM there (auto applies the fix where broken)."""
+    """Fix x environment: what each fix's probe found on stock vLLM there -- **fixed** (broken, so ``auto`` applies the
+    fix), ok (correct upstream), n/a (not applicable) -- and a last row with the environment's test counts."""
     envs = [r for r in data["environments"] if r.get("verdicts")]
     fixes: list[str] = []
     labels: dict[str, str] = {}
@@ -176,16 +177,22 @@ def render_verdicts(data: dict) -> str:
             if name not in fixes:
                 fixes.append(name)
             labels.setdefault(name, (r.get("labels") or {}).get(name, name))
-    head = "| vLLM (transformers) | " + " | ".join(f"`{n}`" for n in fixes) + " |"
-    sep = "|---|" + "---|" * len(fixes)
-    lines = [head, sep]
-    mark = {"broken": "**broken → patched**", "correct": "correct", "unrecognised": "n/a", "undetermined": "?"}
-    for r in envs:
-        cells = [mark.get(r["verdicts"].get(n, ""), r["verdicts"].get(n, "-")) for n in fixes]
-        lines.append(f"| {r.get('vllm', r['environment']).split('+')[0]} ({r.get('transformers', '?')}) | "
-                     + " | ".join(cells) + " |")
-    legend = "; ".join(f"`{n}`: {labels[n]}" for n in fixes)
-    return "\n".join(lines) + f"\n\nFixes: {legend}. Measured by `scripts/test --record` at commit `{data['commit']}`, {data['date']}."
+
+    def env_name(r: dict) -> str:
+        rel = (r.get("vllm") or r["environment"]).split("+")[0]
+        return f"{rel}<br>tf {r.get('transformers', '?')}" + ("<br>(unpinned)" if "unpinned" in r["environment"] else "")
+
+    mark = {"broken": "**fixed**", "correct": "ok", "unrecognised": "n/a", "undetermined": "?"}
+    lines = ["| what vLLM gets wrong (fix) | " + " | ".join(env_name(r) for r in envs) + " |",
+             "|---|" + "---|" * len(envs)]
+    for n in fixes:
+        cells = [mark.get(r["verdicts"].get(n, ""), r["verdicts"].get(n, "-")) for r in envs]
+        lines.append(f"| {labels[n]} (`{n}`) | " + " | ".join(cells) + " |")
+    lines.append("| tests passed / failed | " + " | ".join(f"{r['passed']} / {r['failed']}" for r in envs) + " |")
+    return "\n".join(lines) + (
+        f"\n\n**fixed**: stock vLLM is broken there and the hotfix (auto) applies the fix; ok: correct upstream, left "
+        f"alone. Each cell is the fix's own probe on that environment's stock vLLM, recorded by `scripts/test --record` "
+        f"at commit `{data['commit']}`, {data['date']}, and asserted against `tests/expected.py` by that run.")
 
 
 SECTIONS = {"run": render_run, "verdicts": render_verdicts}
