@@ -202,10 +202,14 @@ def item_hw(item: Any) -> tuple[int, int] | None:
 
 
 def _items_of(items: Any, modality: str) -> Any:
+    """The request's raw items of ``modality`` (vLLM's ``ImageProcessorItems`` / ``VideoProcessorItems``); None for
+    embeddings passed instead of pixels (their sizes are vLLM's to read) or when there are none."""
     try:
-        return items.get(modality) if items is not None else None
+        batch = items.get(modality) if items is not None else None
+        from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
     except Exception:
         return None
+    return batch if isinstance(batch, (ImageProcessorItems, VideoProcessorItems)) else None
 
 
 def image_item_hw(request: Request | None, idx: int) -> tuple[int, int] | None:

@@ -87,16 +87,16 @@ def _native(info: Any) -> Any:
     return info.ctx.get_hf_processor()
 
 
-def image_placeholder(info: Any, image_size: Any, idx: int, explicit: dict) -> str:
+def image_placeholder(info: Any, image_size: Any, idx: int, explicit: dict, *, from_item: bool = True) -> str:
     """transformers' text for image ``idx`` of the current request (see :mod:`._mm_prompt`).
 
-    ``image_size`` is vLLM's ``ImageSize(width, height)``; the size read from the request's own item wins where there
-    is one (vLLM 0.22-0.23 read an HWC array's size as CHW)."""
+    ``image_size`` is vLLM's ``ImageSize(width, height)``; with ``from_item`` the size read from the request's own
+    item ``idx`` wins where there is one (vLLM 0.22-0.23 read an HWC array's size as CHW)."""
     hf = _native(info)
     ip = hf.image_processor
     request = mp.current()
     eff = mp.effective_kwargs(ip, request.kwargs if request else None, explicit)
-    hw = mp.image_item_hw(request, idx) or (int(image_size.height), int(image_size.width))
+    hw = (mp.image_item_hw(request, idx) if from_item else None) or (int(image_size.height), int(image_size.width))
     return mp.image_text(hf, ip, hw, eff, idx)
 
 
@@ -159,7 +159,7 @@ def wrap_get_num_image_tokens(original: Any, owner: type) -> Any:
         a = bind(self, *args, **kwargs)
         explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode")}
         explicit["use_image_id"] = False
-        text = image_placeholder(self, a["image_size"], 0, explicit)
+        text = image_placeholder(self, a["image_size"], 0, explicit, from_item=False)
         return text.count(mp.token(_native(self), "image_token"))
 
     get_num_image_tokens.__vllm_minicpm_hotfix_original__ = original
