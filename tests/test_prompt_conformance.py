@@ -618,3 +618,52 @@ def test_status_and_modes(m46, family, mode):
                 assert verdict.state.value == "correct", (name, verdict.reason)
     for name in MINE:
         assert not _base.is_patched(by_name(name), m46)
+
+
+def test_concurrent_requests(m46, pairs):
+    """Threads processing requests with different kwargs at once on one vLLM processor (as a shared server does)
+    each get their own request's prompt: the request reaches the text producers through a ContextVar."""
+    import threading
+
+    pair = pairs("real")
+    jobs = [
+        ("image", [image(449, 448)], {"slice_mode": False}),
+        ("image", [image(449, 448)], {"max_slice_nums": 1, "use_image_id": False}),
+        ("image", [image(900, 300)], {"scale_resolution": 224}),
+        ("video", [video(700, 400, 2)], {"max_slice_nums": 2}),
+    ]
+    with timed("concurrent"), with_hotfix(m46):
+        want = [hf_ids(pair, m, items, kw) for m, items, kw in jobs]
+        errors: list = []
+
+        def worker(i: int) -> None:
+            try:
+                for _ in range(5):
+                    m, items, kw = jobs[i]
+                    assert vllm_ids(pair, m, items, kw) == want[i], (i, kw)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert not errors, errors
+
+
+def test_subclasses_keep_vllm_behaviour(m46):
+    """A subclass of vLLM's 4.6 classes (MiniCPM-V 4.7's on 0.32+) gets vLLM's own placeholder, fix applied or not."""
+    from vllm.multimodal.parse import ImageSize
+
+    from vllm_minicpm_hotfix.fixes import _mm_prompt as mp
+
+    info_cls = getattr(m46, "MiniCPMV4_6ProcessingInfo")
+    sub = type("SubInfo", (info_cls,), {})
+    native = mp.stand_in_hf_processor()
+    stand_in = mp.stand_in_info(sub, native, image_processor=mp.ModeDefaultingImageProcessor(native.image_processor))
+    own = info_cls.get_slice_image_placeholder(stand_in, ImageSize(130, 82))
+    with hotfix(m46, "force", fixes=("mm_placeholders",)):
+        assert sub.get_slice_image_placeholder(stand_in, ImageSize(130, 82)) == own
+        fixed = info_cls.get_slice_image_placeholder(mp.stand_in_info(info_cls, native), ImageSize(130, 82))
+    assert fixed.count("<|image_pad|>") == 4  # transformers' count for 130x82 at scale 112 (vLLM 0.22-0.23: 6)
