@@ -94,6 +94,8 @@ def main(spec_path: str) -> None:
             results[req["name"]] = {"prompt_token_ids": list(out.prompt_token_ids)}
         except Exception as exc:  # recorded; the test names it
             results[req["name"]] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        print(f"REQUEST {req['name']!r}: {'error' if 'error' in results[req['name']] else 'answered'}",
+              file=sys.stderr, flush=True)
     status = vllm_minicpm_hotfix.status()["fixes"]
     print("RESULT " + json.dumps({"status": status, "results": results}), flush=True)
 

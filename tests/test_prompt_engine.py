@@ -76,6 +76,9 @@ def engine_run(checkpoint, tmp_path_factory) -> dict:
         ],
     }))
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MINICPM_HOTFIX")}
+    # The repository as a PYTHONPATH bundle (its sitecustomize.py): every process vLLM spawns (0.22's CPU worker)
+    # runs the post-import hook too.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "prompt_engine_run.py"), str(spec)],
