@@ -622,8 +622,16 @@ def test_status_and_modes(m46, family, mode):
 
 def test_concurrent_requests(m46, pairs):
     """Threads processing requests with different kwargs at once on one vLLM processor (as a shared server does)
-    each get their own request's prompt: the request reaches the text producers through a ContextVar."""
+    each get their own request's prompt: the request reaches the text producers through a ContextVar.
+
+    Deterministically concurrent: the first time each thread's placeholder producer asks vLLM's
+    ``InputProcessingContext.get_hf_processor`` for transformers' processor -- after the fix has set that thread's
+    request, before the producer reads it -- it waits at a barrier until all four threads are there. So every request
+    is set before any is read; a request held in a process-wide variable would give three threads another request's
+    prompt (checked: such a variant of ``_mm_prompt.REQUEST`` fails here, this one passes)."""
     import threading
+
+    from vllm_minicpm_hotfix.fixes import _mm_prompt as mp
 
     pair = pairs("real")
     jobs = [
@@ -632,24 +640,42 @@ def test_concurrent_requests(m46, pairs):
         ("image", [image(900, 300)], {"scale_resolution": 224}),
         ("video", [video(700, 400, 2)], {"max_slice_nums": 2}),
     ]
+    ctx = pair.vllm.info.ctx
+    own = ctx.get_hf_processor
+    barrier = threading.Barrier(len(jobs), timeout=60)
+    met: set[int] = set()
+
+    def get_hf_processor(*args, **kwargs):
+        me = threading.get_ident()
+        if mp.current() is not None and me not in met:  # inside a replacement: this thread's request is set
+            met.add(me)
+            barrier.wait()
+        return own(*args, **kwargs)
+
     with timed("concurrent"), with_hotfix(m46):
         want = [hf_ids(pair, m, items, kw) for m, items, kw in jobs]
         errors: list = []
 
         def worker(i: int) -> None:
             try:
-                for _ in range(5):
+                for _ in range(2):
                     m, items, kw = jobs[i]
                     assert vllm_ids(pair, m, items, kw) == want[i], (i, kw)
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        object.__setattr__(ctx, "get_hf_processor", get_hf_processor)  # vLLM's context is a frozen dataclass
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+        finally:
+            object.__delattr__(ctx, "get_hf_processor")
+    assert not any(t.is_alive() for t in threads), "a request thread did not finish in 300 s"
     assert not errors, errors
+    assert len(met) == len(jobs) and not barrier.broken, "the four requests were not in their producers together"
 
 
 def test_subclasses_keep_vllm_behaviour(m46):
