@@ -49,6 +49,19 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         ("0.32.0", "5.19.0"): "correct",
         ("0.33.0", "5.20.2"): "correct",
     },
+    "hf_processor_version": {
+        # 0.23.0 alone wraps transformers' 4.6 processor in vLLM's legacy MiniCPMVProcessor, which reads `version`.
+        **{env: ("broken" if env[0] == "0.23.0" else "correct") for env in ENVIRONMENTS},
+    },
+    "mm_placeholders": {
+        # Every release ignores slice_mode: false, a request's scale_resolution and use_image_id: false; 0.22-0.24 lay
+        # the slices out wrongly as well (tests/test_prompt_conformance.py pins which sub-defect where).
+        **{env: "broken" for env in ENVIRONMENTS},
+    },
+    "video_image_id_cache": {
+        # A cached video keeps its old <image_id> index up to 0.25.0; 0.26 rewrites it.
+        **{env: ("broken" if env[0] in ("0.22.1", "0.23.0", "0.24.0") else "correct") for env in ENVIRONMENTS},
+    },
     "quantized_vision": {
         # Every release builds the vision tower AWQ although modules_to_not_convert names model.vision_tower
         # (transformers' name; vLLM's prefix rules end in a dot and never map it to vpm).

@@ -12,12 +12,23 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import processor_mode, qkv_loader, quant_method, quantized_vision
+from . import (
+    hf_processor_version,
+    mm_placeholders,
+    processor_mode,
+    qkv_loader,
+    quant_method,
+    quantized_vision,
+    video_image_id_cache,
+)
 
 #: The fixes, in the order the post-import hook applies them.
 REGISTRY: tuple[ModuleType, ...] = (
     qkv_loader,
     processor_mode,
+    hf_processor_version,
+    mm_placeholders,
+    video_image_id_cache,
     quantized_vision,
     quant_method,
 )

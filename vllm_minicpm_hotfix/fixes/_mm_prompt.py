@@ -1,0 +1,557 @@
+"""Transformers' own placeholder text for a MiniCPM-V 4.6 image or video, for vLLM's multimodal processor.
+
+Shared by the prompt fixes (:mod:`.mm_placeholders`, :mod:`.video_image_id_cache`, :mod:`.hf_processor_version`).
+Nothing here imports vLLM, torch or transformers at import time.
+
+The reference
+-------------
+transformers' ``MiniCPMV4_6Processor`` (``transformers/models/minicpmv4_6/processing_minicpmv4_6.py``) builds an
+image's text in ``_process_images``: its image processor resizes the image and returns ``grids`` (``[rows, cols]``
+per image, ``[0, 0]`` when unsliced), ``num_patches_per_image`` and ``target_sizes`` (``(height, width)`` in patches,
+source first, then the slices row by row); ``replace_image_token`` turns them into
+``<image>PAD*n</image><slice>PAD*m</slice>...\\n...`` (rows separated by ``\\n``); ``__call__`` prepends
+``<image_id>i</image_id>`` when ``use_image_id``. Videos: ``_process_videos`` / ``replace_video_token`` the same per
+frame, with ``<|video_pad|>``. The token divisor is 4 in ``"4x"`` mode, else 16.
+
+:func:`slice_target_sizes` computes what the image processor would return for one image of ``(height, width)``
+pixels without resizing anything: it calls the installed image processor's own ``get_sliced_grid``,
+``find_best_resize`` and ``get_refine_size`` (with ``downsample_mode`` where the installed signature takes it) in the
+order ``MiniCPMV4_6ImageProcessor._preprocess`` does (transformers 5.7-5.24). :func:`image_text` /
+:func:`video_text` then hand those to the installed processor's own ``replace_image_token`` /
+``replace_video_token`` (transformers >= 5.17); for a processor without them the rows are laid out from
+``grid[0]`` = rows, ``grid[1]`` = cols, as transformers does.
+
+The request
+-----------
+vLLM hands a request's ``mm_processor_kwargs`` (``hf_processor_mm_kwargs``) and its items to
+``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)`` (every
+release 0.22-0.33), whose replacement callables vLLM resolves per item right after. :func:`wrap_get_prompt_updates`
+wraps those callables so that each runs with the request in :data:`REQUEST` (a :class:`contextvars.ContextVar`, so
+concurrent requests in threads or tasks never see each other's); the text producers read it with :func:`current`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+#: The processor kwargs that decide an item's placeholder (transformers' ``MiniCPMV4_6ImageProcessorKwargs``) and
+#: transformers' class defaults for them.
+SIZING_DEFAULTS: dict[str, Any] = {
+    "max_slice_nums": 9,
+    "scale_resolution": 448,
+    "patch_size": 14,
+    "slice_mode": True,
+    "downsample_mode": "16x",
+    "use_image_id": True,
+}
+
+#: Special tokens and their names on transformers' processor / tokenizer (and vLLM's fallbacks).
+TOKENS: dict[str, str] = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "image_start_token": "<image>",
+    "image_end_token": "</image>",
+    "slice_start_token": "<slice>",
+    "slice_end_token": "</slice>",
+    "image_id_start_token": "<image_id>",
+    "image_id_end_token": "</image_id>",
+}
+
+
+class Request(NamedTuple):
+    """What vLLM passed to ``_get_prompt_updates`` for one call (one request, or the cache misses of one)."""
+
+    items: Any  #: vLLM's ``MultiModalDataItems`` (modality -> ``ProcessorBatchItems``)
+    kwargs: Mapping[str, object]  #: the request's ``mm_processor_kwargs`` as vLLM passed them
+
+
+REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("vllm_minicpm_hotfix_mm_request", default=None)
+
+
+#: The request's ``mm_processor_kwargs`` while vLLM turns its items into tensors (``process_mm_inputs``).
+PROCESSING: contextvars.ContextVar[Mapping[str, object] | None] = contextvars.ContextVar(
+    "vllm_minicpm_hotfix_mm_processing", default=None
+)
+
+
+def current() -> Request | None:
+    """The request whose prompt updates are being resolved in this context, or None (profiling, direct calls)."""
+    return REQUEST.get()
+
+
+def _run_in_request(fn: Callable[..., Any], request: Request) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def in_request(*args: Any, **kwargs: Any) -> Any:
+        token = REQUEST.set(request)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            REQUEST.reset(token)
+
+    return in_request
+
+
+def wrap_get_prompt_updates(original: Callable[..., Any], owner: type) -> Callable[..., Any]:
+    """Wrap ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(self, mm_items, hf_processor_mm_kwargs,
+    out_mm_kwargs) -> Sequence[PromptUpdate]``: vLLM's own updates, each callable ``replacement`` wrapped so that it
+    runs with :data:`REQUEST` set to this call's items and kwargs. Instances of subclasses (MiniCPM-V 4.7 on vLLM
+    0.32+) get vLLM's result unchanged. Raises what the original raises."""
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _get_prompt_updates(self: Any, *args: Any, **kwargs: Any) -> Any:
+        updates = original(self, *args, **kwargs)
+        if type(self) is not owner:
+            return updates
+        try:
+            bound = sig.bind(self, *args, **kwargs).arguments
+        except TypeError:
+            return updates
+        request = Request(bound.get("mm_items"), dict(bound.get("hf_processor_mm_kwargs") or {}))
+        out = []
+        for update in updates:
+            replacement = getattr(update, "replacement", None)
+            if callable(replacement) and dataclasses.is_dataclass(update):
+                update = dataclasses.replace(update, replacement=_run_in_request(replacement, request))
+            out.append(update)
+        return type(updates)(out) if isinstance(updates, (list, tuple)) else out
+
+    _get_prompt_updates.__vllm_minicpm_hotfix_original__ = original
+    return _get_prompt_updates
+
+
+def wrap_process_mm_inputs(original: Callable[..., Any], owner: type) -> Callable[..., Any]:
+    """Wrap ``MiniCPMVMultiModalProcessor.process_mm_inputs(self, mm_data, mm_kwargs[, tok_kwargs])`` (where vLLM
+    turns a request's images and videos into tensors, every release 0.22-0.33) so that it runs with
+    :data:`PROCESSING` set to the request's ``mm_kwargs``. Subclass instances run vLLM's own unchanged."""
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def process_mm_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(self) is not owner:
+            return original(self, *args, **kwargs)
+        try:
+            mm_kwargs = sig.bind(self, *args, **kwargs).arguments.get("mm_kwargs")
+        except TypeError:
+            mm_kwargs = None
+        token = PROCESSING.set(dict(mm_kwargs or {}))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            PROCESSING.reset(token)
+
+    process_mm_inputs.__vllm_minicpm_hotfix_original__ = original
+    return process_mm_inputs
+
+
+def request_max_slice_nums() -> int | None:
+    """The current request's own ``max_slice_nums`` (while its tensors or its prompt updates are made), else None."""
+    kwargs = PROCESSING.get()
+    if kwargs is None:
+        request = REQUEST.get()
+        kwargs = request.kwargs if request is not None else None
+    value = (kwargs or {}).get("max_slice_nums")
+    return int(value) if value is not None else None
+
+
+def wrap_get_video_max_slice_num(original: Callable[..., Any], owner: type) -> Callable[..., Any]:
+    """Wrap ``MiniCPMV4_6ProcessingInfo.get_video_max_slice_num(self) -> int`` (the slice limit vLLM hands the image
+    processor for every video frame, and counts with): the request's own ``max_slice_nums`` while one is being
+    processed -- as transformers' video processor honours it -- else vLLM's (the video processor's)."""
+
+    @functools.wraps(original)
+    def get_video_max_slice_num(self: Any, *args: Any, **kwargs: Any) -> int:
+        if type(self) is owner:
+            requested = request_max_slice_nums()
+            if requested is not None:
+                return requested
+        return original(self, *args, **kwargs)
+
+    get_video_max_slice_num.__vllm_minicpm_hotfix_original__ = original
+    return get_video_max_slice_num
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Items: the size transformers reads from an image or a video frame.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def item_hw(item: Any) -> tuple[int, int] | None:
+    """``(height, width)`` in pixels of one image or video frame as transformers' image processor reads it (a PIL
+    image, or an HWC / CHW array or tensor: ``transformers.image_utils.infer_channel_dimension_format``); None for
+    anything else (an embedding, a missing item)."""
+    if item is None:
+        return None
+    size = getattr(item, "size", None)
+    if hasattr(item, "getbands") and isinstance(size, tuple) and len(size) == 2:  # PIL.Image.Image
+        return int(size[1]), int(size[0])
+    shape = getattr(item, "shape", None)
+    if shape is None or len(shape) != 3:
+        return None
+    from transformers.image_utils import get_image_size, infer_channel_dimension_format
+
+    try:
+        return tuple(int(x) for x in get_image_size(item, channel_dim=infer_channel_dimension_format(item)))
+    except Exception:  # not an image transformers can read; the caller falls back to vLLM's size
+        return None
+
+
+def _items_of(items: Any, modality: str) -> Any:
+    """The request's raw items of ``modality`` (vLLM's ``ImageProcessorItems`` / ``VideoProcessorItems``); None for
+    embeddings passed instead of pixels (their sizes are vLLM's to read) or when there are none."""
+    try:
+        batch = items.get(modality) if items is not None else None
+        from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
+    except Exception:
+        return None
+    return batch if isinstance(batch, (ImageProcessorItems, VideoProcessorItems)) else None
+
+
+def image_item_hw(request: Request | None, idx: int) -> tuple[int, int] | None:
+    """``(height, width)`` of image ``idx`` of the request's items, or None if it has no such raw image."""
+    batch = _items_of(request.items if request else None, "image")
+    if batch is None:
+        return None
+    try:
+        return item_hw(batch.get(idx))
+    except Exception:
+        return None
+
+
+def video_frames_hw(request: Request | None, idx: int) -> list[tuple[int, int]] | None:
+    """Per frame ``(height, width)`` of video ``idx`` of the request's items (None if it has no such raw video)."""
+    batch = _items_of(request.items if request else None, "video")
+    if batch is None:
+        return None
+    try:
+        video = batch.get(idx)
+    except Exception:
+        return None
+    if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], Mapping):  # (frames, metadata)
+        video = video[0]
+    if video is None:
+        return None
+    try:
+        sizes = [item_hw(frame) for frame in video]
+    except TypeError:
+        return None
+    if not sizes or any(s is None for s in sizes):
+        return None
+    return sizes  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sizing: what transformers' image processor returns for one image, computed by its own methods.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def effective_kwargs(
+    image_processor: Any, request_kwargs: Mapping[str, object] | None, explicit: Mapping[str, object]
+) -> dict[str, Any]:
+    """The kwargs an item is processed with: the image processor's own values (its config plus the model-level
+    ``mm_processor_kwargs`` vLLM built it with), then the request's flat ``mm_processor_kwargs``, then the values vLLM
+    resolved and passed explicitly (``downsample_mode``, 0.32+ ``max_slice_nums``); None means "not given"."""
+    eff = {k: getattr(image_processor, k, d) for k, d in SIZING_DEFAULTS.items()}
+    for source in (request_kwargs or {}, explicit):
+        for key in SIZING_DEFAULTS:
+            value = source.get(key)
+            if value is not None:
+                eff[key] = value
+    eff["max_slice_nums"] = int(eff["max_slice_nums"])
+    eff["scale_resolution"] = int(eff["scale_resolution"])
+    eff["patch_size"] = int(eff["patch_size"])
+    return eff
+
+
+@functools.lru_cache(maxsize=64)
+def _params(cls: type, name: str) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(getattr(cls, name)).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return frozenset()
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(cls: type, name: str) -> inspect.Signature:
+    """The signature of ``cls.name`` bound to an instance (``self`` dropped)."""
+    sig = inspect.signature(getattr(cls, name))
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+def _mode_kw(image_processor: Any, name: str, mode: str) -> dict[str, str]:
+    return {"downsample_mode": mode} if "downsample_mode" in _params(type(image_processor), name) else {}
+
+
+def slice_target_sizes(
+    image_processor: Any, height: int, width: int, eff: Mapping[str, Any]
+) -> tuple[list[int], list[list[int]]]:
+    """``(grid, target_sizes)`` transformers' ``MiniCPMV4_6ImageProcessor._preprocess`` returns for one image of
+    ``height`` x ``width`` pixels: ``grid`` = ``[rows, cols]`` (``[0, 0]`` unsliced), ``target_sizes`` = ``[[h, w]]``
+    in patches for the source, then one per slice (row-major). Calls the processor's own ``get_sliced_grid`` /
+    ``find_best_resize`` / ``get_refine_size``; raises what they raise."""
+    ip = image_processor
+    size = (height, width)
+    patch, scale, mode = eff["patch_size"], eff["scale_resolution"], eff["downsample_mode"]
+    grid = None
+    if eff["slice_mode"]:
+        if "scale_resolution" in _params(type(ip), "get_sliced_grid"):
+            grid = ip.get_sliced_grid(size, eff["max_slice_nums"], scale)
+        else:
+            grid = ip.get_sliced_grid(size, eff["max_slice_nums"])
+    src_h, src_w = ip.find_best_resize(
+        size, scale, patch, allow_upscale=grid is None, **_mode_kw(ip, "find_best_resize", mode)
+    )
+    sizes = [[int(src_h) // patch, int(src_w) // patch]]
+    if grid is None:
+        return [0, 0], sizes
+    rows, cols = int(grid[0]), int(grid[1])
+    ref_h, ref_w = ip.get_refine_size(
+        size, [rows, cols], scale, patch, allow_upscale=True, **_mode_kw(ip, "get_refine_size", mode)
+    )
+    slice_hw = [int(ref_h) // rows // patch, int(ref_w) // cols // patch]
+    return [rows, cols], sizes + [list(slice_hw) for _ in range(rows * cols)]
+
+
+def divisor(mode: Any) -> int:
+    """Tokens per ``h * w`` patches: transformers' ``image_token_divisor`` (4 in ``"4x"`` mode, else 16)."""
+    return 4 if mode == "4x" else 16
+
+
+def token(hf_processor: Any, name: str) -> str:
+    """A special token's text: transformers' processor attribute, else its tokenizer's, else the default."""
+    value = getattr(hf_processor, name, None)
+    if not isinstance(value, str):
+        value = getattr(getattr(hf_processor, "tokenizer", None), name, None)
+    return value if isinstance(value, str) else TOKENS[name]
+
+
+def id_prefix(hf_processor: Any, idx: int) -> str:
+    return f"{token(hf_processor, 'image_id_start_token')}{idx}{token(hf_processor, 'image_id_end_token')}"
+
+
+class _SlicedAs:
+    """transformers' processor as ``replace_image_token`` / ``replace_video_token`` read it, except that its
+    ``slice_mode`` / ``video_slice_mode`` (the gate on the slice rows, set when the processor was built) are the
+    item's effective ``slice_mode``: a request's ``slice_mode: true`` over a model-level ``false`` slices the tensors
+    (vLLM hands the request's kwargs to the image processor), so its text must show the slices too."""
+
+    def __init__(self, hf_processor: Any, slice_mode: bool) -> None:
+        self._hf, self.slice_mode, self.video_slice_mode = hf_processor, bool(slice_mode), bool(slice_mode)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._hf, name)
+
+
+def _rows_text(hf: Any, pad: str, source: int, grid: Sequence[int], per_slice: Sequence[int], sliced: bool) -> str:
+    """transformers' layout for a processor without ``replace_image_token``: source, then ``rows`` lines of ``cols``
+    slices separated by ``\\n``."""
+    text = token(hf, "image_start_token") + pad * source + token(hf, "image_end_token")
+    rows, cols = grid
+    if sliced and rows > 0 and cols > 0:
+        s0, s1 = token(hf, "slice_start_token"), token(hf, "slice_end_token")
+        lines = ["".join(s0 + pad * n + s1 for n in per_slice[r * cols : (r + 1) * cols]) for r in range(rows)]
+        text += "\n".join(lines)
+    return text
+
+
+def image_text(hf_processor: Any, image_processor: Any, hw: tuple[int, int], eff: Mapping[str, Any], idx: int) -> str:
+    """The text transformers' ``MiniCPMV4_6Processor`` puts in place of image ``idx`` of ``hw`` = ``(height, width)``
+    pixels processed with ``eff`` (see :func:`effective_kwargs`), ``<image_id>`` prefix included when
+    ``eff["use_image_id"]``."""
+    import numpy as np
+
+    grid, sizes = slice_target_sizes(image_processor, hw[0], hw[1], eff)
+    d = divisor(eff["downsample_mode"])
+    replace = getattr(type(hf_processor), "replace_image_token", None)
+    if callable(replace):
+        inputs = {"grids": [grid], "num_patches_per_image": [len(sizes)], "target_sizes": np.asarray(sizes)}
+        text = replace(_SlicedAs(hf_processor, eff["slice_mode"]), inputs, image_idx=0, image_token_divisor=d)
+    else:
+        counts = [h * w // d for h, w in sizes]
+        text = _rows_text(hf_processor, token(hf_processor, "image_token"), counts[0], grid, counts[1:], True)
+    return (id_prefix(hf_processor, idx) if eff["use_image_id"] else "") + text
+
+
+def video_text(
+    hf_processor: Any, image_processor: Any, frames_hw: Sequence[tuple[int, int]], eff: Mapping[str, Any], idx: int
+) -> str:
+    """The text transformers' ``MiniCPMV4_6Processor`` puts in place of video ``idx`` whose frames have the given
+    ``(height, width)``, each processed with ``eff``; ``<image_id>`` prefix included when ``eff["use_image_id"]``."""
+    import numpy as np
+
+    grids, sizes = [], []
+    for h, w in frames_hw:
+        grid, frame_sizes = slice_target_sizes(image_processor, h, w, eff)
+        grids.append(grid)
+        sizes.extend(frame_sizes)
+    d = divisor(eff["downsample_mode"])
+    replace = getattr(type(hf_processor), "replace_video_token", None)
+    if callable(replace):
+        inputs = {
+            "target_sizes_videos": np.asarray(sizes),
+            "num_frames_per_video": [len(grids)],
+            "grids_videos": np.asarray(grids),
+        }
+        text = replace(_SlicedAs(hf_processor, eff["slice_mode"]), inputs, video_idx=0, video_token_divisor=d)
+    else:
+        sliced = True
+        pad = token(hf_processor, "video_token")
+        text, pos = "", 0
+        for grid in grids:
+            n = 1 + grid[0] * grid[1]
+            counts = [h * w // d for h, w in sizes[pos : pos + n]]
+            pos += n
+            text += _rows_text(hf_processor, pad, counts[0], grid, [counts[1]] * (n - 1) if n > 1 else [], sliced)
+    return (id_prefix(hf_processor, idx) if eff["use_image_id"] else "") + text
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stand-ins for the probes: transformers' real processor classes with a tiny in-memory tokenizer, vLLM's real
+# ProcessingInfo / MultiModalProcessor classes created without __init__ (no model, config or files needed).
+# --------------------------------------------------------------------------------------------------------------------
+
+#: The probes' geometry: patch 14 (the real checkpoint's) and a small ``scale_resolution`` so that every probe image
+#: is tiny (the defects show at any scale; the tests sweep the real 448 as well).
+PROBE_GEOMETRY = {"patch_size": 14, "scale_resolution": 112, "max_slice_nums": 9}
+
+
+@functools.lru_cache(maxsize=1)
+def stand_in_tokenizer() -> Any:
+    """A character-level ``tokenizers`` tokenizer in a transformers fast-tokenizer class, with MiniCPM-V 4.6's
+    special tokens (:data:`TOKENS`) as single ids and named as transformers' ``MiniCPMV4_6Processor`` reads them.
+    ``decode(encode(text)) == text`` for printable ASCII, newlines and the special tokens."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [*TOKENS.values(), "<unk>", "<pad>"]
+    vocab = {s: i for i, s in enumerate(specials)}
+    for c in [chr(i) for i in range(32, 127)] + ["\n"]:
+        vocab.setdefault(c, len(vocab))
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", extra_special_tokens=dict(TOKENS)
+    )
+
+
+def stand_in_hf_processor(**kwargs: Any) -> Any:
+    """A transformers ``MiniCPMV4_6Processor`` over real image and video processors built with
+    :data:`PROBE_GEOMETRY` and ``kwargs`` and the :func:`stand_in_tokenizer`.
+
+    Created without ``ProcessorMixin.__init__`` (whose argument check imports every tokenizer backend, mistral_common
+    included: seconds in a fresh process); the attributes are set as ``MiniCPMV4_6Processor.__init__`` sets them
+    (transformers 5.7-5.24). Raises ImportError where transformers has no MiniCPM-V 4.6."""
+    from transformers.models.minicpmv4_6 import processing_minicpmv4_6 as processing
+
+    try:
+        from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor as IP
+    except Exception:  # no torchvision backend: the PIL one
+        from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import (
+            MiniCPMV4_6ImageProcessorPil as IP,
+        )
+    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor as VP
+
+    settings = {**PROBE_GEOMETRY, **kwargs}
+    ip, vp, tok = IP(**settings), VP(**settings), stand_in_tokenizer()
+    cls = processing.MiniCPMV4_6Processor
+    proc = cls.__new__(cls)
+    proc.image_processor, proc.video_processor, proc.tokenizer = ip, vp, tok
+    proc.slice_mode = ip.slice_mode
+    proc.video_slice_mode = vp.slice_mode
+    proc.default_use_image_id = ip.use_image_id
+    proc.image_token_divisor = divisor(ip.downsample_mode)
+    proc.video_token_divisor = divisor(vp.downsample_mode)
+    for name in TOKENS:
+        setattr(proc, name, getattr(tok, name))
+    proc.image_token_id = tok.convert_tokens_to_ids(tok.image_token)
+    proc.video_token_id = tok.convert_tokens_to_ids(tok.video_token)
+    return proc
+
+
+class _StandInCtx:
+    """vLLM's ``InputProcessingContext`` as far as the 4.6 processor uses it, over a fixed transformers processor."""
+
+    def __init__(self, hf_processor: Any) -> None:
+        self.hf_processor = hf_processor
+        self.tokenizer = hf_processor.tokenizer
+
+    def get_hf_processor(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hf_processor
+
+    def get_merged_mm_kwargs(self, kwargs: Mapping[str, object], **_: Any) -> dict[str, object]:
+        return dict(kwargs)
+
+
+def stand_in_info(info_cls: type, hf_processor: Any, *, image_processor: Any = None) -> Any:
+    """An instance of vLLM's ``MiniCPMV4_6ProcessingInfo`` created without ``__init__`` whose context, tokenizer and
+    hf config are stand-ins over ``hf_processor``. ``image_processor`` (default ``hf_processor.image_processor``) is
+    what its ``get_image_processor()`` returns."""
+    from types import SimpleNamespace
+
+    info = info_cls.__new__(info_cls)
+    ctx = _StandInCtx(hf_processor)
+    ip = hf_processor.image_processor if image_processor is None else image_processor
+    config = SimpleNamespace(
+        text_config=SimpleNamespace(hidden_size=64), hidden_size=64, insert_layer_id=1, slice_config=None,
+        max_slice_nums=PROBE_GEOMETRY["max_slice_nums"], image_size=PROBE_GEOMETRY["scale_resolution"],
+    )
+    info.__dict__.update(
+        ctx=ctx,
+        get_tokenizer=lambda: ctx.tokenizer,
+        get_hf_config=lambda: config,
+        get_image_processor=lambda **kwargs: ip,
+        # vLLM 0.32+: merges the model-level and request kwargs and routes flat keys into each modality's scope.
+        _merge_and_resolve_mm_processor_kwargs=lambda kwargs: {
+            **kwargs, "images_kwargs": dict(kwargs), "videos_kwargs": dict(kwargs),
+        },
+    )
+    return info
+
+
+def stand_in_processor(proc_cls: type, info: Any) -> Any:
+    """An instance of vLLM's ``MiniCPMV4_6MultiModalProcessor`` created without ``__init__`` over ``info``."""
+    proc = proc_cls.__new__(proc_cls)
+    proc.__dict__.update(info=info, cache=None)
+    return proc
+
+
+class ModeDefaultingImageProcessor:
+    """A transformers image processor whose ``find_best_resize`` / ``get_refine_size`` get ``downsample_mode`` (the
+    processor's own) when a caller does not pass it and the installed signature takes it: lets a probe run vLLM's
+    own placeholder arithmetic on a transformers >= 5.23 whether or not ``processor_downsample_mode`` is applied.
+    Everything else, calls included, is the real processor."""
+
+    def __init__(self, real: Any) -> None:
+        object.__setattr__(self, "_real", real)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(object.__getattribute__(self, "_real"), name)
+        if name not in ("find_best_resize", "get_refine_size") or "downsample_mode" not in _params(
+            type(self._real), name
+        ):
+            return attr
+        sig = _signature(type(self._real), name)
+
+        def with_mode(*args: Any, **kwargs: Any) -> Any:
+            try:
+                if "downsample_mode" not in sig.bind_partial(*args, **kwargs).arguments:
+                    kwargs["downsample_mode"] = getattr(self._real, "downsample_mode", "16x")
+            except TypeError:
+                pass
+            return attr(*args, **kwargs)
+
+        return with_mode
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._real, name, value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._real(*args, **kwargs)

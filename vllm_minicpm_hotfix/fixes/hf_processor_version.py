@@ -1,0 +1,92 @@
+"""vLLM 0.23.0 cannot start a MiniCPM-V 4.6 model: its processor wraps transformers' in a legacy one.
+
+What breaks
+-----------
+vLLM 0.23.0's ``MiniCPMVProcessingInfo.get_hf_processor`` (``vllm/model_executor/models/minicpmv.py``, inherited by
+``MiniCPMV4_6ProcessingInfo``) wraps the processor transformers built in vLLM's vendored
+``vllm.transformers_utils.processors.minicpmv.MiniCPMVProcessor`` (2.x-4.5), whose ``__init__`` reads
+``image_processor.version``; transformers' ``MiniCPMV4_6ImageProcessor`` has no ``version``. Every call raises
+``AttributeError: 'MiniCPMV4_6ImageProcessor' object has no attribute 'version'`` -- first during the start-up
+profiling, so ``vllm serve`` / ``LLM(...)`` die before serving anything. 0.22 returned transformers' processor;
+0.24+ gives the 4.6 class its own ``get_hf_processor`` doing so (vLLM PR #44980).
+
+What the fix does
+-----------------
+Sets ``MiniCPMV4_6ProcessingInfo.get_hf_processor`` to what 0.24.0 defines there: transformers' own processor from
+``self.ctx.get_hf_processor(**kwargs)``, with the image processor's NumPy ``mean`` / ``std`` / ``image_mean`` /
+``image_std`` turned into lists (as vLLM does in every release).
+
+The probe
+---------
+Runs the installed ``MiniCPMV4_6ProcessingInfo.get_hf_processor`` on a stand-in (created without ``__init__``)
+whose ``ctx.get_hf_processor()`` returns a real transformers ``MiniCPMV4_6Processor`` (real image and video
+processors, a tiny in-memory tokenizer): ``broken`` if it raises (the ``version`` error) or returns anything but
+that processor, ``correct`` if it returns it. Costs ~10 ms (building the stand-in processor).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+from ..decision import State, Verdict
+from . import _base
+from . import _mm_prompt as mp
+
+NAME = "hf_processor_version"
+LABEL = "4.6 processor (no legacy MiniCPMVProcessor wrapper)"
+INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
+SETS = (f"{INFO_CLASS}.get_hf_processor",)
+
+
+def make_get_hf_processor(original: Any) -> Any:
+    """``MiniCPMV4_6ProcessingInfo.get_hf_processor(self, **kwargs) -> transformers.ProcessorMixin`` as vLLM 0.24.0
+    defines it: ``self.ctx.get_hf_processor(**kwargs)`` with NumPy normalisation constants turned into lists."""
+
+    @functools.wraps(original)
+    def get_hf_processor(self: Any, **kwargs: object) -> Any:
+        hf_processor = self.ctx.get_hf_processor(**kwargs)
+        image_processor = getattr(hf_processor, "image_processor", None)
+        if image_processor is not None:
+            import numpy as np
+
+            for attr in ("mean", "std", "image_mean", "image_std"):
+                value = getattr(image_processor, attr, None)
+                if isinstance(value, np.ndarray):
+                    setattr(image_processor, attr, value.tolist())
+        return hf_processor
+
+    get_hf_processor.__vllm_minicpm_hotfix_original__ = original
+    return get_hf_processor
+
+
+def probe(module: ModuleType) -> Verdict:
+    """Whether the installed ``get_hf_processor`` hands back transformers' own 4.6 processor (see the module
+    docstring). Never raises; leaves ``module`` unchanged."""
+    info_cls = getattr(module, INFO_CLASS, None)
+    if not isinstance(info_cls, type) or not callable(getattr(info_cls, "get_hf_processor", None)):
+        return Verdict(State.UNRECOGNISED, f"{module.__name__} has no {INFO_CLASS}.get_hf_processor", applicable=False)
+    try:
+        native = mp.stand_in_hf_processor()
+        info = mp.stand_in_info(info_cls, native)
+    except Exception as exc:
+        return Verdict(State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
+    try:
+        got = info_cls.get_hf_processor(info)
+    except AttributeError as exc:
+        return Verdict(State.BROKEN, f"{INFO_CLASS}.get_hf_processor raises AttributeError: {exc}")
+    except Exception as exc:
+        return Verdict(State.BROKEN, f"{INFO_CLASS}.get_hf_processor raises {type(exc).__name__}: {exc}")
+    if got is not native:
+        return Verdict(
+            State.BROKEN,
+            f"{INFO_CLASS}.get_hf_processor returns a {type(got).__name__}, not transformers' "
+            f"{type(native).__name__}",
+        )
+    return Verdict(State.CORRECT, f"{INFO_CLASS}.get_hf_processor returns transformers' {type(native).__name__}")
+
+
+def apply(module: ModuleType) -> None:
+    info_cls = getattr(module, INFO_CLASS)
+    _base.set_attributes(NAME, [(info_cls, "get_hf_processor", make_get_hf_processor)])

@@ -1,0 +1,351 @@
+"""MiniCPM-V 4.6 image and video placeholders equal to transformers' own: W/H order, slice layout, every processor
+kwarg, per request.
+
+What breaks (vllm/model_executor/models/minicpmv4_6.py; measured per release in docs/serving.md)
+------------------------------------------------------------------------------------------------
+vLLM computes the text that replaces each ``<|image_pad|>`` / ``<|video_pad|>`` of a prompt itself
+(``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder`` / ``_compute_visual_tokens``,
+``MiniCPMV4_6MultiModalProcessor.get_video_prompt_texts``), separately from the pixel values transformers' image
+processor makes for the same item. Where the two disagree on the number of pads the engine dies in
+``_merge_multimodal_embeddings`` (every request in flight fails); where only the text differs the model is silently
+prompted unlike it was trained.
+
+* 0.22-0.23: ``ImageSize(width, height)`` handed to transformers helpers that take ``(height, width)`` (~6% of image
+  sizes crash; vLLM #45244); an HWC array's (image or video frame) size read as CHW (every video crashes on 0.22).
+* 0.22-0.24: rows and columns of the slice grid swapped in the text (vLLM #45918); hidden on 0.22-0.23 by the swap
+  above for all but square-ish sizes.
+* 0.22-0.31: a request's ``mm_processor_kwargs.max_slice_nums`` ignored by the text (one request crashes a shared
+  server).
+* every release 0.22-0.33: ``slice_mode: false`` (model-level or per request), a request's ``scale_resolution`` and
+  ``use_image_id: false`` ignored by the text; a video's per-request ``max_slice_nums`` ignored by its tensors and its
+  text (transformers' video processor honours it).
+
+What the fix does
+-----------------
+It replaces vLLM's arithmetic by transformers' own processor instead of patching it line by line
+(:mod:`._mm_prompt`): each placeholder is ``replace_image_token`` / ``replace_video_token`` of the processor vLLM
+built, fed with what the installed image processor's own ``get_sliced_grid`` / ``find_best_resize`` /
+``get_refine_size`` give for the item's size (read from the item itself, as transformers reads it) and its effective
+kwargs (the processor's, then the request's, then what vLLM resolved and passed), plus ``<image_id>i</image_id>``
+where ``use_image_id``. Set on vLLM's classes (``SETS``):
+
+* ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates``: vLLM's own, with each replacement callable run inside
+  :data:`._mm_prompt.REQUEST` (this call's items and ``mm_processor_kwargs``; a ``ContextVar``, so concurrent
+  requests never see each other's);
+* ``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder`` / ``get_num_image_tokens`` and
+  ``MiniCPMV4_6MultiModalProcessor.get_video_prompt_texts``: transformers' text / its pad count;
+* ``MiniCPMV4_6MultiModalProcessor.process_mm_inputs`` and ``MiniCPMV4_6ProcessingInfo.get_video_max_slice_num``:
+  a video's frames are sliced with the request's own ``max_slice_nums`` where it has one (vLLM pinned the video
+  processor's), so tensors and text agree with transformers.
+
+Instances of subclasses (MiniCPM-V 4.7's classes in 0.32+) get vLLM's own behaviour. The W/H order and the layout are
+fixed together, as one replacement: fixing the swap alone on 0.22-0.23 uncovers the full rows/columns bug.
+``processor_downsample_mode`` (transformers >= 5.23's required ``downsample_mode``) stays a fix of its own: this one
+passes ``downsample_mode`` to transformers itself wherever the installed signature takes it and never calls
+``_compute_visual_tokens``, so it is correct with or without that fix; ``_compute_visual_tokens`` (which vLLM code
+outside these producers may call) keeps needing it.
+
+The probe
+---------
+Runs the installed ``_get_prompt_updates`` (the current class attribute: re-run on the patched module it answers
+``correct``) on stand-ins -- vLLM's real ``MiniCPMV4_6ProcessingInfo`` / ``MiniCPMV4_6MultiModalProcessor`` created
+without ``__init__``, over a real transformers ``MiniCPMV4_6Processor`` with a tiny in-memory tokenizer, patch 14 and
+``scale_resolution`` 112 -- for the cases in :data:`CASES` (one per defect above, sizes found by running each
+family's arithmetic) and compares each resolved text with transformers' for the same size and kwargs. ``broken``
+names every case that differs; ``correct`` if all are equal. No pixels are processed: ~10-50 ms.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from types import ModuleType
+from typing import Any
+
+from ..decision import State, Verdict
+from . import _base
+from . import _mm_prompt as mp
+
+NAME = "mm_placeholders"
+LABEL = "image/video placeholder text (transformers' layout and kwargs)"
+
+INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
+PROC_CLASS = "MiniCPMV4_6MultiModalProcessor"
+SETS = (
+    f"{PROC_CLASS}._get_prompt_updates",
+    f"{INFO_CLASS}.get_slice_image_placeholder",
+    f"{INFO_CLASS}.get_num_image_tokens",
+    f"{PROC_CLASS}.get_video_prompt_texts",
+    f"{PROC_CLASS}.process_mm_inputs",
+    f"{INFO_CLASS}.get_video_max_slice_num",
+)
+
+
+def _native(info: Any) -> Any:
+    """transformers' own processor vLLM built for this model (model-level ``mm_processor_kwargs`` merged in):
+    ``InputProcessingContext.get_hf_processor()``, cached by vLLM."""
+    return info.ctx.get_hf_processor()
+
+
+def image_placeholder(info: Any, image_size: Any, idx: int, explicit: dict, *, from_item: bool = True) -> str:
+    """transformers' text for image ``idx`` of the current request (see :mod:`._mm_prompt`).
+
+    ``image_size`` is vLLM's ``ImageSize(width, height)``; with ``from_item`` the size read from the request's own
+    item ``idx`` wins where there is one (vLLM 0.22-0.23 read an HWC array's size as CHW)."""
+    hf = _native(info)
+    ip = hf.image_processor
+    request = mp.current()
+    eff = mp.effective_kwargs(ip, request.kwargs if request else None, explicit)
+    hw = (mp.image_item_hw(request, idx) if from_item else None) or (int(image_size.height), int(image_size.width))
+    return mp.image_text(hf, ip, hw, eff, idx)
+
+
+def video_placeholder(processor: Any, frame_size: Any, num_frames: int, idx: int, explicit: dict) -> str:
+    """transformers' text for video ``idx`` of the current request: each frame sized as the request's own frames
+    (vLLM 0.22 read an HWC frame as CHW), processed with the request's kwargs."""
+    info = processor.info
+    hf = _native(info)
+    ip = hf.image_processor
+    request = mp.current()
+    if explicit.get("max_slice_nums") is None:
+        # What vLLM's process_videos hands the image processor for every frame (with this fix: the request's own).
+        explicit = {**explicit, "max_slice_nums": info.get_video_max_slice_num()}
+    eff = mp.effective_kwargs(ip, request.kwargs if request else None, explicit)
+    frames = mp.video_frames_hw(request, idx)
+    if frames is None:
+        frames = [(int(frame_size.height), int(frame_size.width))] * int(num_frames)
+    return mp.video_text(hf, ip, frames, eff, idx)
+
+
+_UNSET = object()
+
+
+def _bound(original: Any) -> Any:
+    sig = inspect.signature(original)
+
+    def bind(*args: Any, **kwargs: Any) -> dict:
+        return dict(sig.bind(*args, **kwargs).arguments)
+
+    return bind
+
+
+def wrap_get_slice_image_placeholder(original: Any, owner: type) -> Any:
+    """``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder(self, image_size, image_idx=0, max_slice_nums=None,
+    use_image_id=True, downsample_mode=None) -> str``: transformers' text (:func:`image_placeholder`); arguments
+    vLLM passes explicitly win over the request's kwargs. Subclass instances (4.7) get vLLM's own."""
+    bind = _bound(original)
+
+    @functools.wraps(original)
+    def get_slice_image_placeholder(self: Any, *args: Any, **kwargs: Any) -> str:
+        if type(self) is not owner:
+            return original(self, *args, **kwargs)
+        a = bind(self, *args, **kwargs)
+        explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode", "use_image_id")}
+        return image_placeholder(self, a["image_size"], int(a.get("image_idx", 0) or 0), explicit)
+
+    get_slice_image_placeholder.__vllm_minicpm_hotfix_original__ = original
+    return get_slice_image_placeholder
+
+
+def wrap_get_num_image_tokens(original: Any, owner: type) -> Any:
+    """``MiniCPMV4_6ProcessingInfo.get_num_image_tokens(self, image_size, max_slice_nums=None,
+    downsample_mode=None) -> int``: the number of ``<|image_pad|>`` in :func:`image_placeholder`'s text."""
+    bind = _bound(original)
+
+    @functools.wraps(original)
+    def get_num_image_tokens(self: Any, *args: Any, **kwargs: Any) -> int:
+        if type(self) is not owner:
+            return original(self, *args, **kwargs)
+        a = bind(self, *args, **kwargs)
+        explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode")}
+        explicit["use_image_id"] = False
+        text = image_placeholder(self, a["image_size"], 0, explicit, from_item=False)
+        return text.count(mp.token(_native(self), "image_token"))
+
+    get_num_image_tokens.__vllm_minicpm_hotfix_original__ = original
+    return get_num_image_tokens
+
+
+def wrap_get_video_prompt_texts(original: Any, owner: type) -> Any:
+    """``MiniCPMV4_6MultiModalProcessor.get_video_prompt_texts(self, image_size, num_frames, downsample_mode=None,
+    video_idx=0) -> str``: transformers' text (:func:`video_placeholder`)."""
+    bind = _bound(original)
+
+    @functools.wraps(original)
+    def get_video_prompt_texts(self: Any, *args: Any, **kwargs: Any) -> str:
+        if type(self) is not owner:
+            return original(self, *args, **kwargs)
+        a = bind(self, *args, **kwargs)
+        explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode")}
+        return video_placeholder(
+            self, a["image_size"], a["num_frames"], int(a.get("video_idx", 0) or 0), explicit
+        )
+
+    get_video_prompt_texts.__vllm_minicpm_hotfix_original__ = original
+    return get_video_prompt_texts
+
+
+def apply(module: ModuleType) -> None:
+    info_cls = getattr(module, INFO_CLASS)
+    proc_cls = getattr(module, PROC_CLASS)
+    _base.set_attributes(
+        NAME,
+        [
+            (proc_cls, "_get_prompt_updates", lambda old: mp.wrap_get_prompt_updates(old, proc_cls)),
+            (info_cls, "get_slice_image_placeholder", lambda old: wrap_get_slice_image_placeholder(old, info_cls)),
+            (info_cls, "get_num_image_tokens", lambda old: wrap_get_num_image_tokens(old, info_cls)),
+            (proc_cls, "get_video_prompt_texts", lambda old: wrap_get_video_prompt_texts(old, proc_cls)),
+            (proc_cls, "process_mm_inputs", lambda old: mp.wrap_process_mm_inputs(old, proc_cls)),
+            (info_cls, "get_video_max_slice_num", lambda old: mp.wrap_get_video_max_slice_num(old, info_cls)),
+        ],
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The probe
+# --------------------------------------------------------------------------------------------------------------------
+
+#: (defect, modality, (width, height) of the image / of each frame, frames, model-level kwargs, request kwargs), at
+#: the probe geometry (patch 14, scale_resolution 112, max_slice_nums 9). Sizes found by comparing each family's
+#: own arithmetic with transformers: 130x82 (W/H order, 0.22-0.23), 137x137 / 67x214 (rows and columns, 0.22-0.24).
+CASES: tuple[tuple[str, str, tuple[int, int], int, dict, dict], ...] = (
+    ("image W/H order", "image", (130, 82), 1, {}, {}),
+    ("slice layout (square)", "image", (137, 137), 1, {}, {}),
+    ("slice layout (tall)", "image", (67, 214), 1, {}, {}),
+    ("request max_slice_nums", "image", (224, 112), 1, {}, {"max_slice_nums": 1}),
+    ("request slice_mode", "image", (224, 112), 1, {}, {"slice_mode": False}),
+    ("request scale_resolution", "image", (112, 112), 1, {}, {"scale_resolution": 56}),
+    ("request use_image_id", "image", (100, 100), 1, {}, {"use_image_id": False}),
+    ("model slice_mode", "image", (224, 112), 1, {"slice_mode": False}, {}),
+    ("model use_image_id", "image", (100, 100), 1, {"use_image_id": False}, {}),
+    ("video frame size (HWC)", "video", (56, 56), 2, {}, {}),
+    ("video request slice_mode", "video", (224, 112), 1, {}, {"slice_mode": False}),
+    ("video request max_slice_nums", "video", (224, 112), 1, {}, {"max_slice_nums": 1}),
+)
+
+
+def _probe_item(modality: str, size: tuple[int, int], frames: int) -> Any:
+    """A black image (PIL) or video (``(frames, H, W, 3)`` uint8 array, as vLLM's video loader hands frames over)."""
+    import numpy as np
+    from PIL import Image
+
+    w, h = size
+    if modality == "image":
+        return Image.new("RGB", (w, h))
+    return np.zeros((frames, h, w, 3), dtype=np.uint8)
+
+
+@functools.lru_cache(maxsize=8)
+def _probe_native(model_kwargs: tuple) -> Any:
+    return mp.stand_in_hf_processor(**dict(model_kwargs))
+
+
+def _vllm_text(module: ModuleType, modality: str, item: Any, model_kwargs: dict, request_kwargs: dict) -> str:
+    """The text the installed ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates`` resolves for one item, on
+    stand-ins over a real transformers processor. For a video, the processed data hold per-frame ``[W, H]``
+    (``video_image_sizes``) as vLLM 0.23+'s ``process_videos`` records them."""
+    import torch
+
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+    from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems, VideoProcessorItems
+    from transformers import BatchFeature
+
+    info_cls, proc_cls = getattr(module, INFO_CLASS), getattr(module, PROC_CLASS)
+    native = _probe_native(tuple(sorted(model_kwargs.items())))
+    info = mp.stand_in_info(info_cls, native, image_processor=mp.ModeDefaultingImageProcessor(native.image_processor))
+    proc = mp.stand_in_processor(proc_cls, info)
+    batch = ImageProcessorItems([item]) if modality == "image" else VideoProcessorItems([item])
+    items = MultiModalDataItems({modality: batch})
+    out = MultiModalKwargsItems({})
+    if modality == "video":
+        sizes = torch.tensor([[frame.shape[1], frame.shape[0]] for frame in item], dtype=torch.long)
+        out = MultiModalKwargsItems.from_hf_inputs(
+            BatchFeature({"video_image_sizes": [sizes]}),
+            {"video_image_sizes": MultiModalFieldConfig.batched("video")},
+        )
+    updates = [u for u in proc._get_prompt_updates(items, dict(request_kwargs), out) if u.modality == modality]
+    content = updates[0].content
+    details = content(0) if callable(content) else content
+    full = getattr(details, "full", details)
+    return full if isinstance(full, str) else native.tokenizer.decode(list(full))
+
+
+def _transformers_text(modality: str, item: Any, model_kwargs: dict, request_kwargs: dict) -> str:
+    """transformers' text for the item: its processor's own sizing methods and ``replace_image_token`` /
+    ``replace_video_token`` (:func:`._mm_prompt.image_text`), no pixels processed."""
+    native = _probe_native(tuple(sorted(model_kwargs.items())))
+    ip = native.image_processor
+    eff = mp.effective_kwargs(ip, request_kwargs, {})
+    if modality == "image":
+        return mp.image_text(native, ip, (item.height, item.width), eff, 0)
+    return mp.video_text(native, ip, [tuple(frame.shape[:2]) for frame in item], eff, 0)
+
+
+def _compare(got: str, want: str, modality: str) -> str:
+    pad = mp.TOKENS["image_token" if modality == "image" else "video_token"]
+    if got.count(pad) != want.count(pad):
+        return f"vLLM {got.count(pad)} pads, transformers {want.count(pad)}"
+    rows_got, rows_want = got.count("\n"), want.count("\n")
+    if rows_got != rows_want:
+        return f"same pads, slice rows differ (vLLM {rows_got} line breaks, transformers {rows_want})"
+    return f"same pads, text differs ({len(got)} vs {len(want)} characters)"
+
+
+def check_cases(module: ModuleType, cases: Any = CASES) -> list[tuple[str, State, str]]:
+    """Run each of ``cases`` through the installed processor and transformers: ``(defect, state, detail)``."""
+    found = []
+    for name, modality, size, frames, model_kwargs, request_kwargs in cases:
+        label = f"{size[0]}x{size[1]}" + (f"x{frames} frames" if modality == "video" else "")
+        try:
+            item = _probe_item(modality, size, frames)
+            want = _transformers_text(modality, item, model_kwargs, request_kwargs)
+        except Exception as exc:
+            found.append((name, State.UNDETERMINED, f"transformers failed: {type(exc).__name__}: {exc}"))
+            continue
+        try:
+            got = _vllm_text(module, modality, item, model_kwargs, request_kwargs)
+        except Exception as exc:
+            found.append((name, State.BROKEN, f"{label}: vLLM raises {type(exc).__name__}: {exc}"))
+            continue
+        if got == want:
+            found.append((name, State.CORRECT, label))
+        else:
+            found.append((name, State.BROKEN, f"{label}: {_compare(got, want, modality)}"))
+    return found
+
+
+def probe(module: ModuleType) -> Verdict:
+    """Whether vLLM's placeholder text for the probe cases (:data:`CASES`) equals transformers' own.
+
+    Runs the installed ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates`` (and, for videos, its
+    ``process_mm_inputs``) on stand-ins over a real transformers ``MiniCPMV4_6Processor`` and compares the resolved
+    text with what that processor produces for the same item and kwargs. ``broken`` if any case differs or raises
+    (the reason lists them), ``correct`` if all are equal, ``undetermined`` if a case could not run.
+    Never raises; leaves ``module`` unchanged. Costs ~50 ms.
+    """
+    info_cls, proc_cls = getattr(module, INFO_CLASS, None), getattr(module, PROC_CLASS, None)
+    missing = [
+        f"{cls_name}.{attr}"
+        for cls_name, cls in ((INFO_CLASS, info_cls), (PROC_CLASS, proc_cls))
+        for attr in {t.split(".")[1] for t in SETS if t.startswith(cls_name + ".")}
+        if not callable(getattr(cls, attr, None))
+    ]
+    if missing:
+        return Verdict(State.UNRECOGNISED, f"{module.__name__} lacks {', '.join(sorted(missing))}", applicable=False)
+    try:
+        mp.stand_in_tokenizer()
+    except Exception as exc:
+        return Verdict(State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
+    found = check_cases(module)
+    broken = [f"{name} ({detail})" for name, state, detail in found if state is State.BROKEN]
+    unsure = [f"{name} ({detail})" for name, state, detail in found if state is State.UNDETERMINED]
+    if broken:
+        ok = [name for name, state, _ in found if state is State.CORRECT]
+        return Verdict(
+            State.BROKEN,
+            f"vLLM's placeholder differs from transformers': {'; '.join(broken)}"
+            + (f"; equal: {', '.join(ok)}" if ok else ""),
+        )
+    if unsure:
+        return Verdict(State.UNDETERMINED, f"could not compare: {'; '.join(unsure)}")
+    return Verdict(State.CORRECT, f"vLLM's placeholder equals transformers' in all {len(found)} probe cases")
