@@ -360,6 +360,20 @@ def fmt(v: float, unit: str) -> str:
     return f"{v:.0f} {unit}"
 
 
+def settled(ratio: float, lo: float, hi: float, target: float | None) -> str:
+    """The verdict on a ratio against its target: "met" only when the whole 95% interval is at or below it, "MISSED"
+    when the whole interval is above it, "not settled" when the interval straddles it (or there is none)."""
+    if not target:
+        return ""
+    if math.isnan(lo) or math.isnan(hi):
+        return "not settled"  # no interval (too few pairs): nothing is settled
+    if hi <= target:
+        return "met"
+    if lo > target:
+        return "MISSED"
+    return "not settled"
+
+
 def table(rows: list[dict]) -> str:
     head = ("| # | measurement | N | without (A) | with hotfix (B) | B - A | ratio B/A [95% CI] | CPU-time ratio | "
             "target | |")
@@ -372,7 +386,7 @@ def table(rows: list[dict]) -> str:
         ci = "" if math.isnan(lo) else f" [{lo:.3f}, {hi:.3f}]"
         cpu = f"{r['cpu']['ratio']:.3f}" if r.get("cpu") else "-"
         target = f"<= {r['target']:.2f}" if r["target"] else "(info)"
-        verdict = "" if not r["target"] else ("ok" if w["ratio"] <= r["target"] else "MISSED")
+        verdict = settled(w["ratio"], lo, hi, r["target"])
         sign = "+" if w["delta"] >= 0 else "-"
         lines.append(
             f"| {r['section']} | {r['title']} | {w['n']} | {fmt(w['a_median'], unit)} | {fmt(w['b_median'], unit)} | "

@@ -92,6 +92,7 @@ def collect(out: Path, specs: list[str]) -> list[dict]:
             row.update({k: info.get(k) for k in ("vllm", "torch", "transformers", "python")})
             row["verdicts"] = {name: v["verdict"] for name, v in (info.get("fixes") or {}).items()}
             row["labels"] = {name: v.get("label", name) for name, v in (info.get("fixes") or {}).items()}
+            row["observed"] = info.get("observed") or {}
         rows.append(row)
     return rows
 
@@ -166,6 +167,17 @@ def render_run(data: dict) -> str:
     return head + "\n\n" + "\n".join(rows)
 
 
+#: The quantized layouts tests/test_quantized.py writes and records (conftest ``observed``), in README's words.
+CHECKPOINTS = {
+    "gptq": "GPTQ 4-bit language model, vision bf16",
+    "gptq_list": "GPTQ with a module list in the config",
+    "gptq_vitqkv": "GPTQ with the vit_merger q/k/v quantized too",
+    "awq": "AWQ, skip list in transformers' names",
+    "awq_unaligned": "AWQ whose vision sizes no 4-bit kernel takes",
+    "bnb": "bitsandbytes NF4",
+}
+
+
 def render_verdicts(data: dict) -> str:
     """Fix x environment: what each fix's probe found on stock vLLM there -- **fixed** (broken, so ``auto`` applies the
     fix), ok (correct upstream), n/a (not applicable) -- and a last row with the environment's test counts."""
@@ -189,10 +201,30 @@ def render_verdicts(data: dict) -> str:
         cells = [mark.get(r["verdicts"].get(n, ""), r["verdicts"].get(n, "-")) for r in envs]
         lines.append(f"| {labels[n]} (`{n}`) | " + " | ".join(cells) + " |")
     lines.append("| tests passed / failed | " + " | ".join(f"{r['passed']} / {r['failed']}" for r in envs) + " |")
+    def pythons(r: dict) -> str:
+        extra = (r.get("observed") or {}).get("pythons", {})
+        out = [f"{r.get('python', '?')} (suite)"]
+        for version, routes in sorted(extra.items()):
+            out.append(f"{version}: " + ", ".join(sorted(routes)))
+        return "<br>".join(out)
+
+    lines.append("| Python (the suite's; others: activation routes that loaded the model) | "
+                 + " | ".join(pythons(r) for r in envs) + " |")
+    seen = [key for key in CHECKPOINTS if any(key in (r.get("observed") or {}).get("checkpoints", {}) for r in envs)]
+    if seen:
+        lines.append("| **quantized checkpoints** (tests/test_quantized.py): stock vLLM &rarr; with the hotfix |"
+                     + " |" * len(envs))
+        for key in seen:
+            cells = []
+            for r in envs:
+                got = (r.get("observed") or {}).get("checkpoints", {}).get(key)
+                cells.append(f"{got.get('stock', '?')} &rarr; {got.get('hotfix', '?')}" if got else "-")
+            lines.append(f"| {CHECKPOINTS[key]} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + (
         f"\n\n**fixed**: stock vLLM is broken there and the hotfix (auto) applies the fix; ok: correct upstream, left "
         f"alone. Each cell is the fix's own probe on that environment's stock vLLM, recorded by `scripts/test --record` "
-        f"at commit `{data['commit']}`, {data['date']}, and asserted against `tests/expected.py` by that run.")
+        f"at commit `{data['commit']}`, {data['date']}, and asserted against `tests/expected.py` by that run. The "
+        f"checkpoint rows are what the tests observed and asserted there; `-` where they do not run.")
 
 
 SECTIONS = {"run": render_run, "verdicts": render_verdicts}

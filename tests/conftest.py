@@ -225,6 +225,17 @@ def bundle_dir(work) -> Path:
     return make_bundle(work / "bundle")
 
 
+#: What tests observed in this environment, for README's release table (``scripts/results.py``): section -> key ->
+#: {what: observation}. Written only by a test that has just asserted the observation, so a failed or deselected test
+#: leaves its cell empty; dumped into the environment's report by ``pytest_sessionfinish``.
+RUN_FACTS: dict[str, dict[str, dict[str, str]]] = {}
+
+
+def observed(section: str, key: str, **what: str) -> None:
+    """Record an observation a test has just asserted (see :data:`RUN_FACTS`)."""
+    RUN_FACTS.setdefault(section, {}).setdefault(key, {}).update(what)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """For scripts/test's summary: which vLLM / torch / transformers / Python ran, and every fix's verdict there (its
     probe on stock vLLM: every test leaves vLLM unpatched, see ``_stock_between_tests``)."""
@@ -254,6 +265,7 @@ def pytest_sessionfinish(session, exitstatus):
                 "transformers": transformers.__version__,
                 "python": platform.python_version(),
                 "fixes": verdicts,
+                "observed": RUN_FACTS,
             }
         )
     )

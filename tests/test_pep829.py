@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import observed
 from e2e import clean_env, run_python, run_uv
 
 ENV_VAR = "VLLM_MINICPM_HOTFIX_PEP829_PYTHON"
@@ -91,6 +92,7 @@ def test_pip_install_activates_through_the_start_file(venv315, tmp_path):
     # site's own trace (-v): the .pth's import line was skipped because of the matching .start file.
     skipped = [ln for ln in proc.stderr.splitlines() if str(site / PTH) in ln and str(site / START) in ln]
     assert skipped and "suppress" in skipped[0], proc.stderr[-3000:]
+    observed("pythons", ".".join(map(str, out["version"][:3])), pip="armed by the .start file (PEP 829)")
 
 
 def test_without_the_start_file_the_pth_line_runs(venv315, tmp_path):

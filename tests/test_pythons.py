@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY
+from conftest import REPO, TINY, observed
 from e2e import clean_env, make_bundle, overlay_env, pip_install, run_python
 
 from vllm_minicpm_hotfix import _bootstrap
@@ -130,6 +130,7 @@ def test_route_loads_exactly_on(version, route, pythons, bundles, wheel, broken_
     # The same vLLM with the fix reverted: stock fails with the error users report on this release.
     assert out["reverted"] is True
     assert out["stock_error"] is not None and expected[1] in out["stock_error"], out["stock_error"]
+    observed("pythons", out["python"], **{route: "loads, exact"})
 
 
 STALE = """
