@@ -232,8 +232,8 @@ SECTIONS = {"run": render_run, "verdicts": render_verdicts}
 
 def render_readme(text: str, data: dict) -> str:
     for name, render in SECTIONS.items():
-        pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(\n<!-- /results:{name} -->)", re.S)
-        text = pattern.sub(lambda m: m.group(1) + render(data) + m.group(2), text)
+        pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(<!-- /results:{name} -->)", re.S)
+        text = pattern.sub(lambda m: m.group(1) + render(data) + "\n" + m.group(2), text)
     return text
 
 
