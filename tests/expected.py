@@ -71,6 +71,19 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         # bitsandbytes is in vLLM's quantization registry up to 0.26 and gone from 0.27 on.
         **{env: ("correct" if env[0] in ("0.22.1", "0.23.0", "0.24.0", "0.26.0") else "broken") for env in ENVIRONMENTS},
     },
+    "qkv_completeness_guard": {
+        # stock vLLM loads a checkpoint missing a vit_merger q/k/v shard without an error where its own q/k/v loading
+        # is correct; 0.25-0.29 refuse every 4.6 checkpoint anyway (and the q/k/v loader fix checks there).
+        ("0.22.1", "5.24.0"): "broken",
+        ("0.23.0", "5.24.0"): "broken",
+        ("0.24.0", "5.24.0"): "broken",
+        ("0.26.0", "5.24.0"): "correct",
+        ("0.28.0", "5.24.0"): "correct",
+        ("0.28.0", "5.20.0"): "correct",
+        ("0.30.0", "5.24.0"): "broken",
+        ("0.32.0", "5.19.0"): "broken",
+        ("0.33.0", "5.20.2"): "broken",
+    },
 }
 
 #: vLLM release -> the error stock vLLM raises loading a 4.6 checkpoint (None: it loads).

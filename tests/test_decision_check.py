@@ -31,13 +31,9 @@ SHARDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 
 def probe(module):
     """The q/k/v fix's probe, as the post-import hook calls it."""
-    try:
-        from vllm_minicpm_hotfix.fixes import qkv_loader as fix
-    except ImportError:  # before the fixes/ refactor
-        from vllm_minicpm_hotfix import decision
+    from vllm_minicpm_hotfix.fixes import qkv_loader
 
-        return decision.probe_qkv_loading(module)
-    return fix.probe(module)
+    return qkv_loader.probe(module)
 
 
 def stand_in_module(m46, load_weights) -> types.ModuleType:

@@ -16,6 +16,7 @@ from . import (
     hf_processor_version,
     mm_placeholders,
     processor_mode,
+    qkv_guard,
     qkv_loader,
     quant_method,
     quantized_vision,
@@ -25,6 +26,7 @@ from . import (
 #: The fixes, in the order the post-import hook applies them.
 REGISTRY: tuple[ModuleType, ...] = (
     qkv_loader,
+    qkv_guard,  # after qkv_loader: its probe reads whether the loader (which checks completeness too) is applied
     processor_mode,
     hf_processor_version,
     mm_placeholders,

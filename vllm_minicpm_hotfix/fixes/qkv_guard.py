@@ -1,0 +1,258 @@
+"""A check-only guard: a MiniCPM-V 4.6 checkpoint missing a vit_merger q/k/v shard fails to load instead of loading.
+
+What it catches
+---------------
+vLLM's "weights not initialized" check (``DefaultModelLoader``) exempts every layer whose quantization method has
+``process_weights_after_loading`` -- every unquantized linear layer, the window merger's ``qkv_proj``
+(``QKVParallelLinear``) included. So on releases whose own q/k/v loading is correct (0.22-0.24, 0.30+), a checkpoint
+without ``model.vision_tower.vit_merger.self_attn.k_proj.bias``, or without the whole q/k/v set, loads "successfully"
+and the missing rows keep whatever memory ``torch.empty`` handed out: a server that answers, wrongly. The q/k/v loader
+fix (:mod:`.qkv_loader`) refuses such a checkpoint, but it is applied only where vLLM's own loading is broken.
+
+What it does
+------------
+Nothing about *how* vLLM loads changes. It wraps ``MiniCPMV4_6ForConditionalGeneration.load_weights`` (the call
+vLLM's ``DefaultModelLoader.load_weights`` makes; vLLM 0.22-0.33) so that for the duration of one model load each
+``qkv_proj`` parameter of each ``MiniCPMV4_6ViTWindowAttentionSelfAttn`` in the model has its ``weight_loader``
+observed: the observer calls the parameter's own weight loader with the same arguments, and only after it returned
+records the shard id it was called with (``"q"``, ``"k"``, ``"v"``; ``None``, an already fused tensor, counts as all
+three). Afterwards the original weight loaders are put back. When vLLM's load returns, a parameter that received
+some shards but not all three in this load, or that no load has ever filled, is an error: :class:`QKVLoadError`
+(the q/k/v loader fix's ``ValueError``), with the same text the loader uses, naming the parameter, the missing and
+the received shards. ``DefaultModelLoader.load_model`` then returns nothing and the engine start-up aborts with it.
+
+A later load that carries no vit_merger tensors at all (a partial weight update) is not an error once an earlier load
+filled every shard; one that brings some shards of a parameter but not all is.
+
+The decision
+------------
+:func:`probe` runs the installed top-level ``load_weights`` -- as it is at that moment, so with the q/k/v loader fix
+where that was applied before this fix (the registry's order) -- on the q/k/v loader fix's stand-in model (vLLM's real
+classes created without ``__init__``, parameters that record what their weight loader receives), twice: fed the six
+q/k/v tensors, fed them without ``k_proj.bias``, and fed none of them.
+
+* ``CORRECT`` (not needed), *not applicable*, if it does not even load the complete q/k/v set: stock 0.25-0.29,
+  whose q/k/v loading is broken -- the q/k/v loader fix is the one for them (it checks completeness itself);
+* ``BROKEN`` (needed) if either incomplete set loads without raising -- stock vLLM 0.22-0.24 and 0.30+;
+* ``CORRECT`` (not needed), *not applicable*, if both raise: the q/k/v loader fix is applied. Not applicable, so
+  ``force`` (which applies the loader everywhere) does not stack a second check on the loader's: one clear error per
+  bad checkpoint, never two.
+* Applicable only if the installed ``load_weights``, wrapped by this guard, loads the complete q/k/v set without an
+  error (i.e. it passes every shard through the parameters' weight loaders, which the guard observes); otherwise
+  ``UNDETERMINED`` and not applied, ``force`` included -- a guard that cannot see the shards would refuse a good
+  checkpoint.
+* ``UNRECOGNISED`` where the q/k/v loader fix does not recognise the layout.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
+
+from ..decision import State, Verdict
+from . import _base
+from .qkv_loader import ATTN_CLASS, FUSED, MODEL_CLASS, PROBE_NAMES, QKVLoadError, _stand_in_model, recognise_layout
+
+NAME = "qkv_completeness_guard"
+LABEL = "vit_merger q/k/v completeness guard"
+SETS = (f"{MODEL_CLASS}.load_weights",)
+
+_ALL_SHARDS = ("q", "k", "v")
+#: Attribute kept on a self-attention module: the ``qkv_proj`` parameter names some load has filled completely.
+_COMPLETE_ATTR = "_vllm_minicpm_hotfix_guard_complete"
+_MISSING = object()
+
+#: The watch of the model load in progress (a nested top-level call, e.g. a subclass's ``load_weights`` calling the
+#: base class's, joins it).
+_ACTIVE: contextvars.ContextVar[_Watch | None] = contextvars.ContextVar("vllm_minicpm_hotfix_guard", default=None)
+
+
+class _Watch:
+    """One model load: observes the weight loaders of every vit_merger ``qkv_proj`` parameter of ``model``."""
+
+    def __init__(self, model: Any, attn_cls: type) -> None:
+        #: (module name, module, parameter name, parameter, weight loader before, whether it had one)
+        self.watched: list[tuple[str, Any, str, Any, Any, bool]] = []
+        self.shards: dict[tuple[int, str], set] = {}
+        for module_name, module in model.named_modules():
+            if not isinstance(module, attn_cls):
+                continue
+            qkv = getattr(module, FUSED, None)
+            if qkv is None:
+                continue
+            for param_name, param in qkv.named_parameters(recurse=False):
+                self._observe(module_name, module, f"{FUSED}.{param_name}", param)
+
+    def _observe(self, module_name: str, module: Any, param_name: str, param: Any) -> None:
+        try:
+            loader, had = param.weight_loader, True
+        except AttributeError:  # no weight loader: vLLM's AutoWeightsLoader would use default_weight_loader
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+            loader, had = default_weight_loader, False
+        got = self.shards.setdefault((id(module), param_name), set())
+
+        @functools.wraps(loader)
+        def observed(p: Any, loaded_weight: Any, *args: Any, **kwargs: Any) -> Any:
+            result = loader(p, loaded_weight, *args, **kwargs)
+            shard = args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+            got.update(_ALL_SHARDS if shard is None else (shard,))
+            return result
+
+        self.watched.append((module_name, module, param_name, param, loader, had))
+        param.weight_loader = observed
+
+    def stop(self) -> None:
+        """Put every observed parameter's weight loader back (never raises)."""
+        for _, _, _, param, loader, had in self.watched:
+            try:
+                if had:
+                    param.weight_loader = loader
+                else:
+                    del param.weight_loader
+            except Exception:  # noqa: BLE001 - leave the rest restored
+                pass
+
+    def check(self) -> None:
+        """Raise :class:`QKVLoadError` if a parameter got some shards but not all in this load, or none ever."""
+        incomplete, never = [], []
+        for module_name, module, param_name, _, _, _ in self.watched:
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            got = self.shards[(id(module), param_name)]
+            complete = getattr(module, _COMPLETE_ATTR, None)
+            if got:
+                missing = [s for s in _ALL_SHARDS if s not in got]
+                if missing:
+                    incomplete.append(
+                        f"{full}: shard(s) {', '.join(map(repr, missing))} missing "
+                        f"(received {', '.join(repr(s) for s in sorted(got, key=str))})"
+                    )
+                    continue
+                if complete is None:
+                    complete = set()
+                    object.__setattr__(module, _COMPLETE_ATTR, complete)
+                complete.add(param_name)
+            elif complete is None or param_name not in complete:
+                never.append(full)
+        if incomplete:
+            raise QKVLoadError(
+                "vit_merger q/k/v incomplete, the fused qkv_proj would be left partly uninitialised: "
+                + "; ".join(incomplete)
+            )
+        if never:
+            raise QKVLoadError(
+                f"vit_merger q/k/v never loaded: {never} received no q_proj/k_proj/v_proj (or qkv_proj) tensor from "
+                f"the checkpoint and would keep uninitialised values"
+            )
+
+
+def wrap_model_load_weights(original: Any, attn_cls: type) -> Any:
+    """Wrap ``MiniCPMV4_6ForConditionalGeneration.load_weights``: observe, call ``original`` unchanged, check.
+
+    Returns what ``original`` returns. Raises what ``original`` raises (the observers are removed first), then
+    :class:`QKVLoadError` if a ``qkv_proj`` parameter of an ``attn_cls`` module got some but not all of the shards
+    ``"q"``, ``"k"``, ``"v"`` in this load, or none in any load.
+    """
+
+    @functools.wraps(original)
+    def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> Any:
+        if _ACTIVE.get() is not None:
+            return original(self, weights)
+        watch = _Watch(self, attn_cls)
+        token = _ACTIVE.set(watch)
+        try:
+            loaded = original(self, weights)
+        finally:
+            _ACTIVE.reset(token)
+            watch.stop()
+        watch.check()
+        return loaded
+
+    load_weights.__wrapped__ = original
+    return load_weights
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The decision
+# --------------------------------------------------------------------------------------------------------------------
+
+_INCOMPLETE_SETS = {
+    "the six q/k/v tensors without k_proj.bias": [n for n in PROBE_NAMES if not n.endswith("k_proj.bias")],
+    "no q/k/v tensor at all": [],
+}
+
+
+def _feed(loader: Any, module: ModuleType, names: list[str]) -> None:
+    import torch
+
+    model = _stand_in_model(module, [])
+    loader(model, iter([(n, torch.full((1,) if n.endswith("bias") else (1, 1), float(i + 1)))
+                        for i, n in enumerate(names)]))
+
+
+def probe(module: ModuleType) -> Verdict:
+    """Does the installed top-level ``load_weights`` let an incomplete vit_merger q/k/v set through silently?
+
+    Returns ``BROKEN`` (the guard is needed), ``CORRECT`` (not applicable: the installed loader refuses already),
+    ``UNDETERMINED`` (not applicable: the guard cannot observe this vLLM's q/k/v loading) or ``UNRECOGNISED``; see the
+    module docstring. Never raises; leaves ``module`` unchanged; a few milliseconds.
+    """
+    why = recognise_layout(module)
+    if why is not None:
+        return Verdict(State.UNRECOGNISED, why, applicable=False)
+    try:
+        loader = getattr(module, MODEL_CLASS).load_weights
+        attn_cls = getattr(module, ATTN_CLASS)
+        try:
+            _feed(loader, module, list(PROBE_NAMES))
+        except Exception as exc:  # noqa: BLE001
+            return Verdict(
+                State.CORRECT,
+                f"not needed here: the installed load_weights does not load even a complete split q/k/v set "
+                f"({type(exc).__name__}: {str(exc)[:200]}); the q/k/v loader fix, which checks completeness itself, "
+                f"is the one for this vLLM",
+                applicable=False,
+            )
+        silent, refused = [], []
+        for label, names in _INCOMPLETE_SETS.items():
+            try:
+                _feed(loader, module, names)
+            except Exception as exc:  # noqa: BLE001 - refusing is what we look for
+                refused.append(f"{label}: {type(exc).__name__}: {str(exc)[:200]}")
+            else:
+                silent.append(label)
+        if not silent:
+            return Verdict(
+                State.CORRECT,
+                f"the installed load_weights already refuses a checkpoint missing vit_merger q/k/v shards "
+                f"({'; '.join(refused)})",
+                applicable=False,
+            )
+        try:
+            _feed(wrap_model_load_weights(loader, attn_cls), module, list(PROBE_NAMES))
+        except Exception as exc:  # noqa: BLE001
+            return Verdict(
+                State.UNDETERMINED,
+                f"vLLM's load_weights loads {' and '.join(silent)} without an error, but the guard cannot observe its "
+                f"q/k/v loading (a complete set fails under the guard: {type(exc).__name__}: {exc})",
+                applicable=False,
+            )
+    except Exception as exc:  # noqa: BLE001 - an unknown layout of vLLM's own classes
+        return Verdict(State.UNDETERMINED, f"probe could not run: {type(exc).__name__}: {exc}", applicable=False)
+    return Verdict(
+        State.BROKEN,
+        f"vLLM's own load_weights loads {' and '.join(silent)} without an error (the missing rows of qkv_proj keep "
+        f"uninitialised memory)",
+    )
+
+
+def apply(module: ModuleType) -> None:
+    """Wrap ``MiniCPMV4_6ForConditionalGeneration.load_weights`` (:func:`wrap_model_load_weights`)."""
+    attn_cls = getattr(module, ATTN_CLASS)
+    _base.set_attributes(
+        NAME,
+        [(getattr(module, MODEL_CLASS), "load_weights", lambda original: wrap_model_load_weights(original, attn_cls))],
+    )
