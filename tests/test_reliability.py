@@ -8,9 +8,11 @@ Three parts, all on the real vLLM of this environment (CPU):
    "weights not initialized" check. With the hotfix's loader active (``force`` on every release, ``auto`` where the
    release is broken) each one raises one ``ValueError`` (``QKVLoadError``) naming the tensor / shard (and both shapes
    where relevant). ``load_model`` then returns nothing: the worker's model runner never gets a model, so the engine
-   start-up aborts with that exception -- a half-loaded model cannot reach a caller. Under ``auto`` on a release whose
-   own q/k/v loading is correct the hotfix stays out of the way, so those tests assert what stock vLLM does (several
-   cases are silent there; docs/what-can-go-wrong.md says which).
+   start-up aborts with that exception -- a half-loaded model cannot reach a caller. Every fix of the registry is
+   applied as the hook applies it. Under ``auto`` on a release whose own q/k/v loading is correct the loader stays out
+   of the way and vLLM's own loading runs, watched by the completeness guard (fixes/qkv_guard.py): a missing shard
+   raises the same ``QKVLoadError``; the other cases are what stock vLLM does (docs/what-can-go-wrong.md says which
+   stay silent). tests/test_qkv_guard.py runs a light subset of these on every release.
 2. **Hostile environments** in fresh interpreters (real start-up, real import of vLLM's model module): the hook's own
    code raising, the module imported before ``install()``, ``importlib.reload``, two threads importing at once, an
    unknown ``VLLM_MINICPM_HOTFIX``, a vLLM layout the code does not recognise.
@@ -246,7 +248,7 @@ MODES = ["force", "auto"]
 @pytest.mark.parametrize("mode", MODES)
 def test_missing_k_proj_weight(m46, expected, bad, mode):
     ckpt = bad("missing_k_weight")
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         if hotfix_active(mode, expected):
             exc = start_up_fails(ckpt, QKVLoadError)
             # vLLM >= 0.30 renames q/k/v to qkv_proj.* (+ tensor.shard_id) before the module sees them.
@@ -257,17 +259,19 @@ def test_missing_k_proj_weight(m46, expected, bad, mode):
                 str(exc),
             ), str(exc)
         else:
-            # auto on a release whose own loading is correct: vLLM's behaviour, silent -- the k rows keep whatever
-            # the parameter held before (random memory in a real start-up); vLLM's strict check exempts the layer.
-            model = load_like_vllm(ckpt)
-            w = model.vit_merger.self_attn.qkv_proj.weight.detach()
-            assert torch.equal(w[64:128], torch.full_like(w[64:128], -7.0))
+            # auto on a release whose own loading is correct: vLLM loads it, and the completeness guard refuses it
+            # (stock vLLM alone is silent: the k rows keep uninitialised memory; tests/test_qkv_guard.py shows it).
+            exc = start_up_fails(ckpt, QKVLoadError)
+            assert str(exc) == (
+                "vit_merger q/k/v incomplete, the fused qkv_proj would be left partly uninitialised: "
+                "vit_merger.self_attn.qkv_proj.weight: shard(s) 'k' missing (received 'q', 'v')"
+            ), str(exc)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_missing_v_proj_bias(m46, expected, bad, mode):
     ckpt = bad("missing_v_bias")
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         if hotfix_active(mode, expected):
             exc = start_up_fails(ckpt, QKVLoadError)
             assert re.fullmatch(
@@ -276,10 +280,12 @@ def test_missing_v_proj_bias(m46, expected, bad, mode):
                 r"'k_proj\.bias( \(renamed by vLLM to qkv_proj\.bias\))?', 'q' from 'q_proj\.bias( \(renamed by vLLM to qkv_proj\.bias\))?'\)",
                 str(exc),
             ), str(exc)
-        else:
-            model = load_like_vllm(ckpt)
-            b = model.vit_merger.self_attn.qkv_proj.bias.detach()
-            assert torch.equal(b[128:], torch.full_like(b[128:], -7.0))
+        else:  # the completeness guard (auto on a correct release)
+            exc = start_up_fails(ckpt, QKVLoadError)
+            assert str(exc) == (
+                "vit_merger q/k/v incomplete, the fused qkv_proj would be left partly uninitialised: "
+                "vit_merger.self_attn.qkv_proj.bias: shard(s) 'v' missing (received 'k', 'q')"
+            ), str(exc)
 
 
 # --- a shard twice: two files of one set --------------------------------------------------------------------------
@@ -305,7 +311,7 @@ def test_qkv_twice_across_two_files(m46, expected, bad, mode):
     """The two copies reach the self-attention in two separate ``load_weights`` calls (vLLM groups consecutive names
     only); the model-level load session sees both."""
     ckpt = bad("duplicate_across_files")
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         if hotfix_active(mode, expected):
             exc = start_up_fails(ckpt, QKVLoadError)
             assert re.fullmatch(
@@ -342,7 +348,7 @@ def assert_vit_merger_exact(model, tensors: dict[str, torch.Tensor], prefix: str
 @pytest.mark.parametrize("mode", MODES)
 def test_q_proj_wrong_shape(m46, expected, bad, base, mode):
     ckpt = bad("wrong_q_shape")
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         if hotfix_active(mode, expected):
             exc = start_up_fails(ckpt, QKVLoadError)
             assert re.fullmatch(  # vLLM >= 0.30 hands it over already renamed to qkv_proj.weight (shard_id 'q')
@@ -368,7 +374,7 @@ def test_bf16_checkpoint_into_float32_model_is_cast_like_vllm(m46, bad, referenc
     """A bf16 checkpoint into a float32 model (``dtype="float32"``): vLLM casts on copy; every parameter equals the
     float32 reference rounded through bf16, bit for bit -- the hotfix's loader included."""
     ckpt = bad("bf16")
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         model = load_like_vllm(ckpt)
     assert model.vit_merger.self_attn.qkv_proj.weight.dtype == torch.float32
     assert_model_equals(model, reference, cast=torch.bfloat16)
@@ -383,7 +389,7 @@ def test_bf16_checkpoint_into_float32_model_is_cast_like_vllm(m46, bad, referenc
 def test_unknown_tensor_under_vit_merger_self_attn(m46, expected, release, bad, mode, suffix):
     ckpt = bad(f"unknown_{suffix}")
     shape = "[64, 64]" if suffix == "weight" else "[64]"
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         if hotfix_active(mode, expected):
             exc = start_up_fails(ckpt, QKVLoadError)
             assert str(exc) == (
@@ -425,7 +431,7 @@ def test_truncated_safetensors_file(m46, bad, mode, name):
     from safetensors import SafetensorError
 
     ckpt = bad(name)
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         exc = start_up_fails(ckpt, SafetensorError)
     assert str(exc) == "Error while deserializing header: incomplete metadata, file not fully covered"
 
@@ -437,7 +443,7 @@ def test_truncated_safetensors_file(m46, bad, mode, name):
 def test_case04_fused_only_checkpoint_loads_exact(m46, bad, reference, mode):
     """case-04: the vit_merger holds only a fused ``qkv_proj.{weight,bias}``: bit-exact under auto and force."""
     ckpt = bad("fused_only")
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         model = load_like_vllm(ckpt)
     assert_model_equals(model, reference)
     assert_vit_merger_exact(model, checkpoint_tensors(ckpt))
@@ -448,7 +454,7 @@ def test_fused_and_split_both_present(m46, expected, bad, reference, mode):
     """Decision: a file set with the fused tensor AND the split ones is refused -- every shard would arrive twice,
     and the loader cannot know which copy is meant."""
     ckpt = bad("fused_and_split")
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         if hotfix_active(mode, expected):
             exc = start_up_fails(ckpt, QKVLoadError)
             assert re.fullmatch(
@@ -471,7 +477,7 @@ def test_old_prefixes_load_exact(m46, bad, reference, mode):
     """``model.vpm.`` / ``model.vit_merger.`` instead of ``model.vision_tower.`` / ``model.vision_tower.vit_merger.``
     (both in vLLM's own mapper): bit-exact, every parameter."""
     ckpt = bad("old_prefixes")
-    with hotfix(m46, mode):
+    with hotfix(m46, mode, fixes=None):
         model = load_like_vllm(ckpt)
     assert_model_equals(model, reference)
     assert_vit_merger_exact(model, checkpoint_tensors(ckpt), prefix="model.vit_merger.self_attn.")
@@ -492,18 +498,15 @@ def test_no_qkv_at_all_stock_vllm_leaves_it_unloaded(m46, bad):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_no_qkv_at_all_hotfix_says_never_loaded(m46, expected, bad, mode):
+    """The q/k/v loader where it is active, the completeness guard under auto on a correct release: the same text."""
     ckpt = bad("no_qkv")
-    with hotfix(m46, mode):
-        if hotfix_active(mode, expected):
-            exc = start_up_fails(ckpt, QKVLoadError)
-            assert str(exc) == (
-                "vit_merger q/k/v never loaded: ['vit_merger.self_attn.qkv_proj.weight', "
-                "'vit_merger.self_attn.qkv_proj.bias'] received no q_proj/k_proj/v_proj (or qkv_proj) tensor from "
-                "the checkpoint and would keep uninitialised values"
-            ), str(exc)
-        else:
-            model = load_like_vllm(ckpt)  # auto on a correct release: stock, silent (see the test above)
-            assert torch.equal(model.vit_merger.self_attn.qkv_proj.bias.detach(), torch.full((192,), -7.0))
+    with hotfix(m46, mode, fixes=None):
+        exc = start_up_fails(ckpt, QKVLoadError)
+    assert str(exc) == (
+        "vit_merger q/k/v never loaded: ['vit_merger.self_attn.qkv_proj.weight', "
+        "'vit_merger.self_attn.qkv_proj.bias'] received no q_proj/k_proj/v_proj (or qkv_proj) tensor from "
+        "the checkpoint and would keep uninitialised values"
+    ), str(exc)
 
 
 def test_load_model_hands_out_nothing_on_failure(m46, bad, monkeypatch):
