@@ -258,6 +258,15 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
         assert ("hotfix active" if active else "hotfix not active") in report["summary"]
     rows = {r["check"]: r for r in report["checks"]}
     assert rows["qkv_loader"]["status"] == ("OK" if (active or not qkv_broken) else "FAIL")
+    # The completeness guard is scoped (a check, not a repair): needed and unapplied is a WARN row, never the verdict.
+    import expected as table
+
+    guard_needed = table.verdict("qkv_completeness_guard", table.installed_environment()) == "broken"
+    guard = fixes["qkv_completeness_guard"]
+    assert guard["stock"] == ("broken" if guard_needed else "correct") and guard["applied"] is (active and guard_needed)
+    assert rows["qkv_completeness_guard"]["status"] == ("WARN" if guard_needed and not active else "OK")
+    if guard_needed and not active:
+        assert "vllm-minicpm-hotfix verify --model DIR" in rows["qkv_completeness_guard"]["detail"]
 
 
 def test_doctor_text_table(setups):

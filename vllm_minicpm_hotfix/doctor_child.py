@@ -97,7 +97,8 @@ def wrapt_in_use():
 
 def probe_fixes(names, module, pkg_parent):
     """Every registered fix's probe on ``module`` as it now stands (patched or not): ``{NAME: {label, state, reason,
-    applicable, patched, scope}}`` (``scope``: the fix's ``SCOPE``, the checkpoints it is limited to, or None), plus
+    applicable, patched, scope, scope_check}}`` (``scope``: the fix's ``SCOPE``, the checkpoints it is limited to, or
+    None; ``scope_check``: its ``SCOPE_CHECK``, the command that checks a checkpoint for that, or None), plus
     ``fixes_error`` if the fixes cannot be imported."""
     import importlib
     import importlib.util
@@ -117,7 +118,8 @@ def probe_fixes(names, module, pkg_parent):
             v = fix.probe(module)
             out["fixes"][fix.NAME] = {"label": fix.LABEL, "state": v.state.value, "reason": v.reason,
                                       "applicable": v.applicable, "patched": base.is_patched(fix, module),
-                                      "scope": getattr(fix, "SCOPE", None)}
+                                      "scope": getattr(fix, "SCOPE", None),
+                                      "scope_check": getattr(fix, "SCOPE_CHECK", None)}
         except BaseException as exc:  # noqa: BLE001 - a probe must never raise; if one does, say so
             out["fixes"][fix.NAME] = {"label": fix.LABEL, "state": "undetermined", "applicable": False,
                                       "reason": "probe failed: " + one_line(exc), "patched": False}

@@ -25,7 +25,8 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
     verdict on vLLM as shipped: the hook's record where the fix was applied, else the probe); ``now`` /
     ``now_reason`` (the probe re-run on the classes as they are after the hook); ``applied``; ``needed`` (stock is
     not correct); ``ok`` (the probe now says correct); ``hook_error``; ``why`` (the hook's decision); ``scope`` (the
-    checkpoints a scoped fix is limited to, e.g. quantized ones: its verdict does not decide doctor's)."""
+    checkpoints a scoped fix is limited to, e.g. quantized ones: its verdict does not decide doctor's); ``scope_check``
+    (the command that checks a checkpoint for that scope, None: ``--model``)."""
     recorded = (child.get("status") or {}).get("fixes") or {}
     out: dict[str, dict[str, Any]] = {}
     for name, probe in (child.get("fixes") or {}).items():
@@ -42,6 +43,7 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "now": probe["state"], "now_reason": probe["reason"], "applied": applied,
             "needed": stock != "correct", "ok": probe["state"] == "correct",
             "hook_error": rec.get("error"), "why": rec.get("why"), "scope": probe.get("scope"),
+            "scope_check": probe.get("scope_check"),
         }
     return out
 

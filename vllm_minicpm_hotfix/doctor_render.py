@@ -179,7 +179,8 @@ def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
         elif f["applied"]:
             out.append((name, "FAIL", f"PATCHED but still {f['now']}: {now_reason}"))
         elif f.get("scope"):  # limited to some checkpoints: doctor's verdict does not depend on it
-            detail = f"for {f['scope']} only (check one with --model): stock vLLM {f['stock']}, not patched: "
+            how = f.get("scope_check") or "--model"
+            detail = f"for {f['scope']} only (check one with {how}): stock vLLM {f['stock']}, not patched: "
             out.append((name, "WARN", detail + stock_reason))
         else:
             out.append((name, "FAIL", f"stock vLLM {f['stock']}, not patched: {stock_reason}"))

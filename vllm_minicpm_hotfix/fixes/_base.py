@@ -7,6 +7,8 @@ integration under ``contrib/``, or OpenTelemetry's one ``BaseInstrumentor`` per 
     NAME: str                 # key in status()["fixes"], doctor, the README release table, e.g. "qkv_loader"
     LABEL: str                # what it fixes, in words, for the one log line
     SETS: tuple[str, ...]     # what apply() sets: "Class.attr" in the model module, "pkg.module:Class.attr" elsewhere
+    SCOPE: str                # optional: the checkpoints it matters for (doctor: unapplied is WARN, not FAIL)
+    SCOPE_CHECK: str          # optional, with SCOPE: the command that checks a checkpoint for it (default: --model)
     def probe(module) -> decision.Verdict    # behaviour of the installed code; never raises; no version strings
     def apply(module) -> None                # only through set_attributes(NAME, ...)
 

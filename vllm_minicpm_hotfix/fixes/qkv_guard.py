@@ -42,6 +42,10 @@ q/k/v tensors, fed them without ``k_proj.bias``, and fed none of them.
   ``UNDETERMINED`` and not applied, ``force`` included -- a guard that cannot see the shards would refuse a good
   checkpoint.
 * ``UNRECOGNISED`` where the q/k/v loader fix does not recognise the layout.
+
+Where it is needed and not applied (no hotfix, or ``VLLM_MINICPM_HOTFIX=off``), ``doctor`` shows a ``WARN`` row, not a
+``FAIL``: a complete checkpoint loads correctly without it (:data:`SCOPE`); ``vllm-minicpm-hotfix verify --model DIR``
+tells whether a given checkpoint holds every vit_merger q/k/v tensor.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ from .qkv_loader import ATTN_CLASS, FUSED, MODEL_CLASS, PROBE_NAMES, QKVLoadErro
 NAME = "qkv_completeness_guard"
 LABEL = "vit_merger q/k/v completeness guard"
 SETS = (f"{MODEL_CLASS}.load_weights",)
+#: A check, not a repair: vLLM loads a complete checkpoint correctly without it, so it matters only for these
+#: checkpoints. ``doctor`` reports it unapplied as a WARN row, never a FAIL (the quantized fixes' mechanism), and
+#: names the command that checks a given checkpoint for them.
+SCOPE = "checkpoints missing a vit_merger q/k/v tensor"
+SCOPE_CHECK = "vllm-minicpm-hotfix verify --model DIR"
 
 _ALL_SHARDS = ("q", "k", "v")
 #: Attribute kept on a self-attention module: the ``qkv_proj`` parameter names some load has filled completely.
