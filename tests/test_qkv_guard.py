@@ -302,3 +302,73 @@ def test_wrong_q_shape(m46, expected, ckpt, base):
 
 def test_probe_reason_is_json_serialisable(m46):
     json.dumps(qkv_guard.probe(m46).reason)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A quantized vit_merger q/k/v (GPTQ): the guard observes vLLM's quantized parameters too
+# --------------------------------------------------------------------------------------------------------------------
+
+QUANT_DTYPE = "bfloat16"  # GPTQ takes half/bfloat16 activations only
+#: Each quantized qkv_proj parameter and the dimension along which vLLM stacks q, k, v (GPTQ packs the input rows).
+GPTQ_QKV = {"qweight": 1, "scales": 1, "qzeros": 1, "bias": 0}
+
+
+@pytest.fixture(scope="module")
+def gptq_vitqkv(tmp_path_factory) -> dict[str, Path]:
+    """The tiny checkpoint with the language model and the vit_merger q/k/v packed GPTQ (tests/quant_checkpoints.py,
+    tests/test_quantized.py's ``gptq_vitqkv``): complete, and without ``k_proj.qweight`` (its scales and zeros kept,
+    so k is still a quantized shard to vLLM and to the quantized_vision fix)."""
+    import quant_checkpoints as qc
+
+    root = tmp_path_factory.mktemp("guard-gptq")
+    complete = root / "complete"
+    qc.write_checkpoint(TINY, complete, method="gptq", quantization_config=qc.GPTQ_CONFIG,
+                        quantize=lambda m: qc.is_lm_quantized(m) or m in qc.VIT_MERGER_QKV)
+    missing = shutil.copytree(complete, root / "missing_k_qweight")
+    tensors = without(qc.read_tensors(complete), P + "k_proj.qweight")
+    save_file(tensors, str(missing / "model.safetensors"), {"format": "pt"})
+    return {"complete": complete, "missing_k_qweight": missing}
+
+
+def load_quantized(path: Path):
+    """Built as vLLM builds a quantized model, loaded with vLLM's ``DefaultModelLoader.load_weights``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    model = build_vllm_model(path, dtype=QUANT_DTYPE, load=False)
+    vc = model.vllm_config
+    with set_current_vllm_config(vc):
+        get_model_loader(vc.load_config).load_weights(model, vc.model_config)
+    return model
+
+
+def test_quantized_qkv_loads_exact_under_auto(m46, gptq_vitqkv):
+    """Every fix under auto (the guard where vLLM's q/k/v loading is correct, the loader where it is broken): each
+    GPTQ part of the vit_merger's qkv_proj equals the checkpoint's q, k, v stacked, bit for bit."""
+    import quant_checkpoints as qc
+
+    ckpt = qc.read_tensors(gptq_vitqkv["complete"])
+    with hotfix(m46, "auto", fixes=None) as st:
+        assert st["qkv_loader"].applied or st[GUARD].applied, st
+        qkv = load_quantized(gptq_vitqkv["complete"]).vit_merger.self_attn.qkv_proj
+    for suffix, dim in GPTQ_QKV.items():
+        got = getattr(qkv, suffix).detach()
+        want = torch.cat([ckpt[f"{P}{p}_proj.{suffix}"] for p in QKV], dim=dim)
+        assert torch.equal(got, want.to(got.dtype)), suffix
+
+
+def test_quantized_qkv_missing_k_raises_under_auto(m46, expected, gptq_vitqkv):
+    """Without ``k_proj.qweight``: stock vLLM loads it where its own q/k/v loading is correct (GPTQ's method has
+    post-processing, so vLLM's "weights not initialized" check exempts it too); auto refuses, naming the quantized
+    parameter and the missing shard."""
+    path = gptq_vitqkv["missing_k_qweight"]
+    if expected[1] is None:
+        with hotfix(m46, "off", fixes=None):
+            load_quantized(path)
+    with hotfix(m46, "auto", fixes=None):
+        with pytest.raises(QKVLoadError) as info:
+            load_quantized(path)
+    msg = str(info.value)
+    print(f"\n{msg}")
+    assert msg.startswith(INCOMPLETE + "vit_merger.self_attn.qkv_proj.qweight: shard(s) 'k' missing (received 'q'"), msg
+    assert not any(f"qkv_proj.{s}" in msg for s in ("scales", "qzeros", "bias")), msg
