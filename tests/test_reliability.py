@@ -718,6 +718,8 @@ def test_unrecognised_vllm_layout_real_interpreter(tmp_path, mode):
         "MiniCPMV4_6ForConditionalGeneration / MiniCPMV4_6ViTWindowAttentionSelfAttn"
     )
     assert "image placeholder count (downsample_mode) not applied" in lines[1] and "layout not recognised" in lines[1]
+    guard = [ln for ln in lines if "vit_merger q/k/v completeness guard not applied" in ln]
+    assert len(guard) == 1 and "layout not recognised" in guard[0], log
     assert "torch" not in out["names"] and "Traceback" not in log
 
 
