@@ -4,7 +4,7 @@ README's claim "the model loads bit-exact" is checked here on the *whole* model 
 names and values -- not only on the vit_merger tensors the hotfix touches: a loader that wrote a neighbouring
 parameter, left one unloaded (uninitialised memory), or loaded a tensor twice would show. The reference is not the
 hotfix's output: tests/reference_state_dict.py runs in a fresh interpreter of the vLLM 0.32.0 environment (a release
-whose own q/k/v loading is correct: tests/conftest.py ``EXPECTED``) with ``VLLM_MINICPM_HOTFIX=off`` and without the
+whose own q/k/v loading is correct: tests/expected.py ``VERDICTS``) with ``VLLM_MINICPM_HOTFIX=off`` and without the
 package on its path (it refuses to run otherwise), builds the model with vLLM's own API and loads it with vLLM's
 ``DefaultModelLoader.load_weights``; it is written once per test session to safetensors files.
 
@@ -18,7 +18,7 @@ an untied one written by transformers for this session, and case-04's (vit_merge
 Stock vLLM on a broken release is shown failing on the split checkpoints, so these tests would catch a hotfix that
 did nothing; a q/k/v loader that swaps two shards fails ``test_whole_model_equals_stock_0_32``.
 
-Runs where the hotfix patches (0.26.0, 0.28.0); anywhere else it compares stock with stock. About 2 minutes, most of
+Placed where the hotfix patches (0.26.0, 0.28.0); anywhere else it would compare stock with stock. About 2 minutes, most of
 it the 0.32.0 interpreter's ``import vllm``.
 """
 
@@ -37,6 +37,10 @@ import torch
 from conftest import REPO, TINY, hotfix
 from safetensors.torch import load_file, save_file
 from vllm_build import build_vllm_model, checkpoint_tensors
+
+#: Where the hotfix patches the q/k/v loading (elsewhere this would compare stock with stock: tests/test_vllm_load.py
+#: covers those releases against the checkpoint's own tensors). Needs the 0.32.0 environment built too.
+pytestmark = pytest.mark.placed("0.26.0", "0.28.0")
 
 REFERENCE_RELEASE = "0.32.0"
 REFERENCE_SCRIPT = REPO / "tests" / "reference_state_dict.py"
