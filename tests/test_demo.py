@@ -65,3 +65,24 @@ def test_missing_weights_fail_a_changed_config_does_not(demo, written, tmp_path)
     (other / "model.safetensors").unlink()
     ok, lines = demo.compare_with_bundled(other)
     assert not ok and "model.safetensors        MISSING from the written checkpoint" in lines
+
+
+def test_demo_exits_1_when_the_written_weights_differ(demo, written, tmp_path, monkeypatch, capsys):
+    """The demo itself (``run``), not only its check: with the checkpoint writer replaced by one that leaves weights
+    differing in one byte, it returns 1 (the exit status) before loading anything."""
+    import subprocess as sp
+
+    def write_changed(dest):
+        shutil.copytree(written, dest)
+        data = bytearray((dest / "model.safetensors").read_bytes())
+        data[-1] ^= 1
+        (dest / "model.safetensors").write_bytes(bytes(data))
+        return sp.Popen([sys.executable, "-c", "pass"], stdout=sp.DEVNULL, stderr=sp.PIPE, text=True)
+
+    reached = []
+    monkeypatch.setattr(demo, "start_writing_checkpoint", write_changed)
+    for step in ("stock_load", "patched_load", "image_request"):
+        monkeypatch.setattr(demo, step, lambda *a, _s=step, **k: reached.append(_s))
+    assert demo.run(tmp_path / "tiny-minicpm-v46") == 1
+    out = capsys.readouterr().out
+    assert "FAIL: the written weights are not byte-identical to " in out and reached == []
