@@ -186,10 +186,16 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
     proc = setups.run(setup, ["doctor", "--json"])
     report = json.loads(proc.stdout)
     _REPORTS[setup] = report
+    import expected as table
+    from vllm_minicpm_hotfix.fixes import REGISTRY
+
     qkv_broken = expected[0] == "broken"
     proc_broken = processor_expected == "broken"
     active = setup in ("pip", "bundle")
-    want_ok = active or not (qkv_broken or proc_broken)
+    # doctor's verdict: every fix not scoped to some checkpoints (SCOPE) must be correct, stock or patched.
+    env = table.installed_environment()
+    needs = [f.NAME for f in REGISTRY if not getattr(f, "SCOPE", None) and table.verdict(f.NAME, env) != "correct"]
+    want_ok = active or not needs
 
     assert proc.returncode == (0 if want_ok else 1), report["summary"]
     assert report["ok"] is want_ok
@@ -259,9 +265,7 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
     rows = {r["check"]: r for r in report["checks"]}
     assert rows["qkv_loader"]["status"] == ("OK" if (active or not qkv_broken) else "FAIL")
     # The completeness guard is scoped (a check, not a repair): needed and unapplied is a WARN row, never the verdict.
-    import expected as table
-
-    guard_needed = table.verdict("qkv_completeness_guard", table.installed_environment()) == "broken"
+    guard_needed = table.verdict("qkv_completeness_guard", env) == "broken"
     guard = fixes["qkv_completeness_guard"]
     assert guard["stock"] == ("broken" if guard_needed else "correct") and guard["applied"] is (active and guard_needed)
     assert rows["qkv_completeness_guard"]["status"] == ("WARN" if guard_needed and not active else "OK")
