@@ -552,7 +552,7 @@ h.install()
 import {M46} as m
 attn, model = m.{ATTN}, m.{MODEL}
 print(json.dumps({{"status": h.status(), "attn_patched": (_base.patched_by(attn, "load_weights") is not None),
-                  "model_patched": (_base.patched_by(model, "load_weights") is not None),
+                  "model_patched_by": _base.patched_by(model, "load_weights"),
                   "model_load_weights": model.__dict__["load_weights"].__qualname__,
                   "wrapped": hasattr(model.__dict__["load_weights"], "__wrapped__")}}))
 """
@@ -560,13 +560,19 @@ print(json.dumps({{"status": h.status(), "attn_patched": (_base.patched_by(attn,
 
 def test_hook_raising_leaves_vllm_importable_and_unpatched(tmp_path):
     """The hotfix's own patching raises (force, so it runs on every release): vLLM's module still imports, nothing
-    is patched, one warning names the failure, ``status()`` records it."""
+    of the failed fix is patched, one warning names the failure, ``status()`` records it. The other fixes run on
+    their own: where the completeness guard applies (vLLM's own q/k/v loading correct), the model's ``load_weights``
+    is the guard's wrapper around vLLM's, not the loader's."""
     out, log = fresh(HOOK_RAISES, tmp_path, VLLM_MINICPM_HOTFIX="force")
     fix = out["status"]["fixes"]["qkv_loader"]
     assert fix["verdict"] == "error" and fix["applied"] is False
     assert fix["error"] == "RuntimeError: synthetic failure inside _apply_qkv_fix"
-    assert not out["attn_patched"] and not out["model_patched"] and not out["wrapped"]
-    assert out["model_load_weights"] == f"{MODEL}.load_weights"
+    guarded = out["status"]["fixes"]["qkv_completeness_guard"]["applied"]
+    assert not out["attn_patched"]
+    assert out["model_patched_by"] == ("qkv_completeness_guard" if guarded else None), out
+    assert out["wrapped"] is guarded
+    if not guarded:
+        assert out["model_load_weights"] == f"{MODEL}.load_weights"
     assert log.count("vllm-minicpm-hotfix: the post-import hook failed (qkv_loader), vLLM left unpatched: "
                      "synthetic failure inside _apply_qkv_fix") == 1
     assert not QKV_PATCHED_LINE.search(log)
