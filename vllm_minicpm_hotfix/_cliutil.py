@@ -195,7 +195,7 @@ def progress(total: float, desc: str, stream=None) -> Iterator:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=stream,
-                       leave=False, dynamic_ncols=True)
+                       leave=False, dynamic_ncols=True, position=0)  # verify's only bar
         except Exception:  # noqa: BLE001 - no (working) tqdm: the plain line
             bar = _PlainProgress(total, desc, stream)
     try:
