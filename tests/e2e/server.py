@@ -156,7 +156,8 @@ def png_data_url(img) -> str:
 
 
 def post(server: Server, path: str, body: dict | None = None, timeout: float = 180) -> tuple[int, dict]:
-    """POST JSON to the server; ``(HTTP status, parsed body)`` -- error statuses are returned, not raised."""
+    """POST JSON to the server; ``(HTTP status, parsed body)`` -- error statuses are returned, not raised; ``0`` when
+    nothing answers (the server is gone)."""
     req = urllib.request.Request(
         f"{server.url}{path}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"},
         method="POST",
@@ -170,6 +171,8 @@ def post(server: Server, path: str, body: dict | None = None, timeout: float = 1
             return exc.code, json.loads(raw)
         except ValueError:
             return exc.code, {"raw": raw.decode(errors="replace")}
+    except (urllib.error.URLError, OSError) as exc:  # no server any more: status 0
+        return 0, {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def chat_body(server: Server, img, text: str = "What is in the image?", mm_processor_kwargs: dict | None = None,

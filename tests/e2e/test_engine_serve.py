@@ -54,6 +54,22 @@ SERVE_ARGS = [
     "--mamba-ssm-cache-dtype", "float32",  # the tiny config names none; 0.28's CPU GDN kernel needs float32
     "--no-enable-prefix-caching",  # every answer computed, none served from an earlier prompt's KV
 ]
+
+
+def has_serve_flag(field: str) -> bool:
+    """Whether the installed vLLM's front-end arguments declare ``field`` (read from its ``cli_args.py`` sources,
+    whose module moved between releases; no import)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    root = Path(next(iter(spec.submodule_search_locations))) / "entrypoints"
+    return any(f"{field}: bool" in f.read_text(errors="replace") for f in root.rglob("cli_args.py"))
+
+
+# 0.32+ refuse per-request mm_processor_kwargs unless the operator trusts the clients; the requests here need them.
+if has_serve_flag("trust_request_mm_kwargs"):
+    SERVE_ARGS.append("--trust-request-mm-kwargs")
 #: /pause and /resume are development endpoints.
 SERVER_EXTRA_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
