@@ -31,7 +31,7 @@ import threading
 import time
 
 import pytest
-from conftest import TINY, hotfix
+from conftest import hotfix
 
 from e2e import clean_env
 from e2e.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving

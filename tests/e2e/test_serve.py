@@ -15,20 +15,16 @@ this module out unless ``VLLM_MINICPM_HOTFIX_EVERYWHERE=1``. scripts/gpu-smoke.s
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import re
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
-from conftest import REPO, TINY
+from conftest import REPO
 
 from e2e import clean_env, run_python
-from e2e.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, serving
+from e2e.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat_body, post, serving
 
 E2E_RELEASES = ("0.28.0",)
 pytestmark = pytest.mark.placed(*E2E_RELEASES)
@@ -59,32 +55,15 @@ DOWNSAMPLE_TYPEERROR = "missing 1 required positional argument: 'downsample_mode
 
 
 def chat_with_image(server: Server) -> dict:
-    """An OpenAI chat completion with a 64x64 PNG as a base64 data URL; returns the parsed 200 response."""
+    """An OpenAI chat completion with a 64x64 PNG as a base64 data URL (greedy, 8 tokens); returns the parsed 200
+    response."""
     from PIL import Image
 
     img = Image.new("RGB", (64, 64))
     img.putdata([(4 * (i % 64), 4 * (i // 64), 128) for i in range(64 * 64)])
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    body = {
-        "model": str(TINY),
-        "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}},
-            {"type": "text", "text": "What is in the image?"},
-        ]}],
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": True,  # a random tiny model may stop at once; we want 8 generated tokens
-    }
-    req = urllib.request.Request(
-        f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=180) as r:
-            assert r.status == 200
-            return json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"HTTP {exc.code}: {exc.read()[:2000]!r}; log tail:\n{server.log()[-6000:]}") from None
+    status, reply = post(server, "/v1/chat/completions", chat_body(server, img))
+    assert status == 200, f"HTTP {status}: {json.dumps(reply)[:2000]}; log tail:\n{server.log()[-6000:]}"
+    return reply
 
 
 def assert_patched_where_weights_loaded(server: Server) -> dict:
