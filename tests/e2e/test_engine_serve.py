@@ -1,11 +1,16 @@
 """No request can kill the engine: real ``vllm serve`` of the tiny checkpoint on 127.0.0.1, one server per release
 with the hotfix pip-installed (the ``pip_env`` session overlay), serving every check of the release:
 
-* an engine-killing request (one whose placeholder count disagrees with its tensors on this release *with every
-  other fix applied*, found by running vLLM's real processor in this process; e.g. ``{"max_slice_nums": 1}`` on
-  0.22-0.31, ``{"slice_mode": false}`` on 0.32) is answered ``400`` naming the item and both counts -- the counts
-  checked against the prompt's pads and the rows of vLLM's real vision tower computed here -- twice (the second time
-  through the processor cache's path), and the same server then answers a normal image request ``200``;
+* the guard (``placeholder_guard``) answers a request whose placeholder count disagrees with its tensors ``400``,
+  naming the item and both counts -- checked against the prompt's pads and the rows of vLLM's real vision tower
+  computed here -- twice (the second time through the processor cache's path), and the same server then answers a
+  normal image request ``200``. With every fix applied no such request is known any more (``mm_placeholders`` builds
+  the placeholder transformers builds for the tensors vLLM computes: tests/test_prompt_engine.py shows those requests
+  answered by a real engine), so this server runs with ``mm_placeholders`` *left out* by a test-only
+  ``sitecustomize`` (:data:`LEAVE_OUT`; its probe answers ``correct`` with a reason saying so, in every process of
+  the server): the stock-killing request of the notes (``{"max_slice_nums": 1}`` on 0.22-0.31, ``{"slice_mode":
+  false}`` on 0.32, found by running vLLM's real processor and model in this process with the same fixes) then
+  reaches the guard, the last line of defence against a mismatch no fix foresaw;
 * two concurrent requests with different ``downsample_mode`` are both answered and each equals its own solo answer
   (greedy, text and tokens). They are made to share one scheduler step -- so one encoder batch -- with vLLM's own
   ``/pause?mode=keep`` / ``/resume`` (``VLLM_SERVER_DEV_MODE=1``): queued while paused, scheduled together on resume;
@@ -19,8 +24,9 @@ processor, model and ``_merge_multimodal_embeddings`` (the call that kills Engin
 starts at all here (0.22-0.30 need the load fixes first), ``tests/e2e/test_engine_serve_stock.py`` runs one stock
 server: the engine dies on the request and the next request fails.
 
-Placed on one release per family (``RELEASES``; deselected elsewhere); 0.23.0 additionally shows that it starts
-(issue 11: it cannot stock).
+Placed on one release per family (``RELEASES``; deselected elsewhere): one server per release, every check on it.
+That 0.23.0 starts (issue 11: it cannot stock) is shown by tests/test_prompt_engine.py's engine there, not by a
+fifth server here.
 """
 
 from __future__ import annotations
@@ -29,17 +35,17 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import hotfix
 
 from e2e import clean_env
 from e2e.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
-from vllm_minicpm_hotfix.fixes import names
+from vllm_minicpm_hotfix.fixes import by_name, names
 
-#: release -> family (notes: A = 0.22.x-0.23.0, B = 0.24.0, C = 0.25-0.31, D = 0.32-0.33): one release per family,
-#: plus 0.23.0, which cannot start stock.
-RELEASES = {"0.22.1": "A", "0.23.0": "A", "0.24.0": "B", "0.28.0": "C", "0.32.0": "D"}
+#: release -> family (notes: A = 0.22.x-0.23.0, B = 0.24.0, C = 0.25-0.31, D = 0.32-0.33): one release per family.
+RELEASES = {"0.22.1": "A", "0.24.0": "B", "0.28.0": "C", "0.32.0": "D"}
 pytestmark = pytest.mark.placed(*RELEASES)
 #: Where stock vLLM starts here, so one stock server can show the engine dying.
 STOCK_SERVER_RELEASES = ("0.32.0",)
@@ -76,6 +82,20 @@ SERVER_EXTRA_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 GUARD_PATCHED = re.compile(r"placeholder/embedding count guard .*PATCHED in pid (\d+)")
 ENCODER_PATCHED = re.compile(r"per-item downsample mode in the vision encoder .*PATCHED in pid (\d+)")
 WEIGHTS_LOADED = re.compile(r"\((\w+) pid=(\d+)\)[^\n]*Loading weights took")
+
+#: Fixes the guard server leaves out (see the module docstring): without them a stock-killing request is left for
+#: the guard to refuse.
+LEAVE_OUT = ("mm_placeholders",)
+#: Test-only start-up code for the guard server (a ``sitecustomize`` on its PYTHONPATH, run by every process of the
+#: server after the ``.pth`` files that arm the hotfix): each fix in LEAVE_OUT probes ``correct``, so ``auto`` leaves
+#: it unapplied and logs why. Imports no vLLM.
+LEAVE_OUT_SITECUSTOMIZE = """
+from vllm_minicpm_hotfix.decision import State, Verdict
+from vllm_minicpm_hotfix.fixes import by_name
+
+for _name in {names!r}:
+    by_name(_name).probe = lambda module: Verdict(State.CORRECT, "left out by tests/e2e/test_engine_serve.py")
+"""
 
 KILL_SIZE = (224, 224)  # 1 source + 4 slices of 8x8 patches on the tiny checkpoint: 20 pads (16x), 80 (4x)
 #: Candidate engine-killing requests, tried in order (the notes' inputs, on the tiny checkpoint's geometry).
@@ -123,15 +143,24 @@ def find_kill_request(m46, others: tuple[str, ...]) -> tuple[dict, int, int]:
 
 @pytest.fixture(scope="module")
 def kill(m46):
-    """The engine-killing request on this release with every fix but the guard applied, as the server applies them."""
-    return find_kill_request(m46, tuple(n for n in names() if n != "placeholder_guard"))
+    """The engine-killing request on this release with the fixes the guard server applies, as it applies them."""
+    return find_kill_request(m46, tuple(n for n in names() if n != "placeholder_guard" and n not in LEAVE_OUT))
+
+
+def leave_out_dir(tmp: Path) -> Path:
+    """A directory holding the test-only ``sitecustomize.py`` that leaves :data:`LEAVE_OUT` unapplied."""
+    site = tmp / "leave-out"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(LEAVE_OUT_SITECUSTOMIZE.format(names=LEAVE_OUT))
+    return site
 
 
 @pytest.fixture(scope="module")
 def server(pip_env, tmp_path_factory):
-    """The hotfix pip-installed (no PYTHONPATH), healthy."""
+    """The hotfix pip-installed (armed by its ``.pth``), :data:`LEAVE_OUT` left out, healthy."""
     tmp = tmp_path_factory.mktemp("engine-serve")
-    with serving(pip_env, clean_env(PYTHONPATH="", **SERVER_EXTRA_ENV), tmp, "hotfix", SERVE_ARGS) as srv:
+    env = clean_env(PYTHONPATH=str(leave_out_dir(tmp)), **SERVER_EXTRA_ENV)
+    with serving(pip_env, env, tmp, "hotfix", SERVE_ARGS) as srv:
         assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
         print(f"\nhealthy after {time.monotonic() - srv.started_at:.0f} s")
         yield srv
@@ -158,7 +187,7 @@ def answer(reply: dict) -> tuple[str, list[str] | None]:
 
 
 def test_starts_and_answers_an_image_request(server, release):
-    """Every release of the run starts with the hotfix (0.23.0 cannot stock) and answers an image request."""
+    """The release starts with the hotfix (0.22-0.30 cannot stock) and answers an image request."""
     reply = ok(server, chat_body(server, image(64, 64)))
     assert reply["usage"]["prompt_tokens"] > 10
     print(f"\nvLLM {release}: {reply['usage']} {answer(reply)[0]!r}")
@@ -226,6 +255,8 @@ def test_fixes_logged_where_they_act(server, release, environment):
     import expected as table
 
     log = server.log()
+    for name in LEAVE_OUT:  # left out as the module docstring says, and logged so
+        assert re.search(rf"{re.escape(by_name(name).LABEL)} not applied in pid \d+ .*left out by tests/e2e", log), name
     guard = {int(p) for p in GUARD_PATCHED.findall(log)}
     assert server.proc.pid in guard, f"guard patched in {guard}, API server is {server.proc.pid}"
     ((_, loader),) = {(n, int(p)) for n, p in WEIGHTS_LOADED.findall(log)}
