@@ -149,7 +149,19 @@ def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
     was set."""
     saved = _ORIGINALS.get(fix, {})
     keys = [k for k in saved if module is None or _owner_module(k[0]) == module.__name__]
-    _undo([(owner, attr, saved.pop((owner, attr))) for owner, attr in keys])
+    undo = []
+    for owner, attr in keys:
+        old = saved.pop((owner, attr))
+        # A later fix wrapped this fix's value (two fixes set one attribute): hand it this fix's original, so that
+        # reverting it restores vLLM's own value; the class keeps the later fix's value (which still calls this one's
+        # until it is reverted in turn -- revert() undoes the latest first and is exact).
+        later = next((s for f, s in _ORIGINALS.items()
+                      if f != fix and getattr(s.get((owner, attr)), MARKER_ATTR, None) == fix), None)
+        if later is not None:
+            later[(owner, attr)] = old
+        else:
+            undo.append((owner, attr, old))
+    _undo(undo)
     if keys:
         entry = current().fixes.get(fix)
         if entry is not None:
