@@ -84,6 +84,22 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         ("0.32.0", "5.19.0"): "broken",
         ("0.33.0", "5.20.2"): "broken",
     },
+    "encoder_modes": {
+        # One mode per encoder batch and no per-video flag in 0.22-0.31; 0.32 groups items by flag.
+        **{env: ("correct" if env[0] in ("0.32.0", "0.33.0") else "broken") for env in ENVIRONMENTS},
+    },
+    "video_tower": {
+        # Every release marks the vision tower for the image modality only.
+        **{env: "broken" for env in ENVIRONMENTS},
+    },
+    "video_budget": {
+        # Every release profiles 16 frames per video while its loader samples 32.
+        **{env: "broken" for env in ENVIRONMENTS},
+    },
+    "placeholder_guard": {
+        # No release compares a request's placeholder and embedding counts before the engine.
+        **{env: "broken" for env in ENVIRONMENTS},
+    },
 }
 
 #: vLLM release -> the error stock vLLM raises loading a 4.6 checkpoint (None: it loads).

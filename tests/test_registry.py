@@ -78,6 +78,12 @@ def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment):
             assert entry["applied"] is (want == "broken"), entry
             assert entry["label"] == by_name(name).LABEL
             assert _base.is_patched(by_name(name), m46) is entry["applied"]
+        # As doctor re-probes after the hook: with every fix applied (some wrap the same attribute), each applied
+        # fix's own probe still answers correct.
+        for name, entry in st["fixes"].items():
+            if entry["applied"]:
+                after = by_name(name).probe(m46)
+                assert after.state is decision.State.CORRECT, (name, after)
     finally:
         _base.revert(m46)
         record._STATUS = None

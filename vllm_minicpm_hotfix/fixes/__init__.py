@@ -13,14 +13,18 @@ from __future__ import annotations
 from types import ModuleType
 
 from . import (
+    encoder_modes,
     hf_processor_version,
     mm_placeholders,
+    placeholder_guard,
     processor_mode,
     qkv_guard,
     qkv_loader,
     quant_method,
     quantized_vision,
+    video_budget,
     video_image_id_cache,
+    video_tower,
 )
 
 #: The fixes, in the order the post-import hook applies them.
@@ -31,6 +35,10 @@ REGISTRY: tuple[ModuleType, ...] = (
     hf_processor_version,
     mm_placeholders,
     video_image_id_cache,
+    encoder_modes,
+    video_tower,
+    video_budget,
+    placeholder_guard,
     quantized_vision,
     quant_method,
 )

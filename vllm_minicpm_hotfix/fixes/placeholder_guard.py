@@ -1,0 +1,433 @@
+"""A guard: a request whose placeholder count disagrees with its processed tensors is refused, not sent to the engine.
+
+What breaks
+-----------
+vLLM builds two things for every MiniCPM-V 4.6 image or video in a request, in its multimodal processor (the API
+server process under ``vllm serve``): the prompt's placeholder -- ``<|image_pad|>`` / ``<|video_pad|>`` tokens, laid
+out by ``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder`` / ``MiniCPMV4_6MultiModalProcessor.
+get_video_prompt_texts`` -- and the processed tensors (``pixel_values`` + ``tgt_sizes`` per slice, from transformers'
+image processor). The two are computed by separate arithmetic. Where they disagree (a per-request
+``mm_processor_kwargs`` such as ``{"slice_mode": false}`` or ``{"max_slice_nums": 1}`` that one side ignores, the
+W/H swap of 0.22-0.23, the HWC video frame size of 0.22.x, ...), nothing in vLLM notices until EngineCore merges the
+vision embeddings into the prompt: ``_merge_multimodal_embeddings`` raises ``ValueError: Attempted to assign N
+multimodal tokens to M placeholders`` *inside the engine*, the engine dies, and every request in flight fails with it
+(or, where the tensors give more embeddings than the prompt has pads, the surplus is silently dropped).
+
+What the guard does
+-------------------
+After vLLM has resolved the prompt updates of a request -- and before its multimodal processor cache records the
+items as sent to the engine -- it compares, for each item, the number of embedding positions of its placeholder (the
+positions vLLM's own ``PromptUpdateDetails.is_embed`` selects) with the number of vision embeddings its processed
+tensors make the model produce. The latter mirrors ``MiniCPMV4_6ForConditionalGeneration.get_vision_hidden_states``
+(vLLM 0.22-0.33): per slice of ``tgt_sizes`` = ``(h, w)`` patches, the vit_merger (2x2 windows, run when the item's
+``use_vit_merger`` flag is true: ``"16x"``) halves each side, then ``MiniCPMV4_6Merger`` (2x2) halves it again::
+
+    16x: (h // 2 // 2) * (w // 2 // 2)        4x: (h // 2) * (w // 2)
+
+summed over the item's slices (``tgt_sizes`` for images, ``video_tgt_sizes`` for videos, all frames). The flag is
+the item's ``use_vit_merger`` / ``video_use_vit_merger`` field; a video item without one (vLLM <= 0.31 without the
+``encoder_modes`` fix) is encoded in the model config's ``downsample_mode``, which is what the guard then assumes.
+Items given as embeddings (``image_embeds``) and items the processor cache already holds are not judged (the latter
+were judged when they were first processed: the cache key includes the request's processor kwargs).
+
+On a mismatch it raises one ``ValueError`` naming the modality, the item's index in the request, both counts and the
+slice sizes, e.g.::
+
+    MiniCPM-V 4.6: image item 0 of this request has 20 <|image_pad|> placeholder tokens in the prompt, but its
+    processed pixel values give 4 vision embeddings (1 slice, tgt_sizes [[8, 8]] patches, 16x) ...
+
+``vllm serve`` answers such a request ``400 Bad Request`` with that message; the engine never sees it. Where the
+counts agree the guard does nothing else (it returns vLLM's own result object). It does not diagnose or repair the
+cause -- the other fixes do that where they can -- so it protects every release and every kwarg combination no fix
+covers, e.g. ``{"slice_mode": false}`` on 0.32/0.33.
+
+Where it hooks
+--------------
+Two methods of vLLM's ``BaseMultiModalProcessor`` (``vllm/multimodal/processing/processor.py``), set on
+``MiniCPMV4_6MultiModalProcessor`` only (other models are untouched):
+
+* ``_apply_hf_processor(inputs, timing_ctx)`` -- the path without a processor cache: its result (a tuple
+  ``(prompt_ids, MultiModalProcessingInfo, is_update_applied)`` in 0.22-0.28, a ``MultiModalProcessingInfo`` in 0.30,
+  a ``MultiModalProcessingResult`` in 0.32-0.33) carries ``kwargs`` and ``prompt_updates`` for every item;
+* ``_merge_mm_kwargs(cache, mm_hashes, mm_is_cached, mm_missing_kwargs, mm_missing_prompt_updates)`` -- the cached
+  path: the items not yet cached, checked *before* vLLM's sender cache marks them as held by the engine (raising later
+  would leave the front end believing the engine has an item it never received: on 0.22-0.26 the next identical
+  request then fails an ``assert`` in the engine).
+
+The decision
+------------
+:func:`probe` runs the 4.6 processor's own ``_merge_mm_kwargs`` (the guard's hook on the cached path) and then
+``_maybe_apply_prompt_updates`` (where vLLM checks that items, prompt updates and placeholders agree) -- as the
+classes now stand -- on a stand-in processor (created without ``__init__``) for a one-item request whose placeholder
+has 2 pads while its tensors (one 4x4-patch slice, 16x) give 1 embedding. ``broken`` if both let it through (stock
+vLLM 0.22-0.33: it checks item counts, never embedding counts), ``correct`` if either raises a ``ValueError`` (a vLLM
+that validates this itself, or the guard applied), ``undetermined`` if the stand-in cannot be built,
+``unrecognised`` if the classes or methods are not there. ``force`` applies wherever the hooks exist.
+
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, :func:`probe`,
+:func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from ..decision import State, Verdict
+from . import _base
+
+NAME = "placeholder_guard"
+LABEL = "placeholder/embedding count guard (HTTP 400 instead of a dead engine)"
+PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
+SETS = (f"{PROCESSOR_CLASS}._apply_hf_processor", f"{PROCESSOR_CLASS}._merge_mm_kwargs")
+
+#: modality -> (field with the per-slice (h, w) patch grid, field with the item's vit_merger flag, pad token attr,
+#: default pad text).
+FIELDS: dict[str, tuple[str, str, str, str]] = {
+    "image": ("tgt_sizes", "use_vit_merger", "image_token", "<|image_pad|>"),
+    "video": ("video_tgt_sizes", "video_use_vit_merger", "video_token", "<|video_pad|>"),
+}
+
+
+class PlaceholderMismatchError(ValueError):
+    """A request's placeholder count disagrees with its processed tensors (a ``ValueError``: HTTP 400)."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The counts
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def embeddings_per_slice(h: int, w: int, use_vit_merger: bool) -> int:
+    """Vision embeddings vLLM's 4.6 model produces for one slice of ``h x w`` patches (see the module docstring)."""
+    if use_vit_merger:
+        return (h // 2 // 2) * (w // 2 // 2)
+    return (h // 2) * (w // 2)
+
+
+def _flag(value: Any) -> bool | None:
+    if value is None:
+        return None
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return bool(value.any().item()) if value.numel() else None
+    except ImportError:  # pragma: no cover - vLLM always has torch
+        pass
+    if isinstance(value, (list, tuple)):
+        flags = [_flag(v) for v in value]
+        flags = [f for f in flags if f is not None]
+        return any(flags) if flags else None
+    return bool(value)
+
+
+def default_use_vit_merger(hf_config: Any) -> bool:
+    """What vLLM's model does for an item without a flag: ``get_vision_hidden_states(downsample_mode=None)`` uses
+    ``config.downsample_mode`` (default ``"16x"``) and runs the vit_merger iff that is not ``"4x"`` and
+    ``insert_layer_id >= 0``."""
+    mode = getattr(hf_config, "downsample_mode", None) or "16x"
+    return mode != "4x" and getattr(hf_config, "insert_layer_id", -1) >= 0
+
+
+def item_data(item: Any) -> Mapping[str, Any]:
+    """A ``MultiModalKwargsItem``'s tensors by field name (``{field: elem.data}``)."""
+    if hasattr(item, "get_data"):
+        return item.get_data()
+    return {k: getattr(v, "data", v) for k, v in dict(item).items()}
+
+
+def expected_embeddings(modality: str, item: Any, hf_config: Any) -> tuple[int, str] | None:
+    """``(embeddings, description)`` the model will produce for one processed item, or None if it is not judged
+    (an unknown modality, embeddings given directly, no ``tgt_sizes``)."""
+    if modality not in FIELDS:
+        return None
+    sizes_field, flag_field, _, _ = FIELDS[modality]
+    data = item_data(item)
+    sizes = data.get(sizes_field)
+    if sizes is None:
+        return None
+    flag = _flag(data.get(flag_field))
+    if flag is None:
+        flag = default_use_vit_merger(hf_config)
+    grid = [[int(v) for v in row] for row in sizes.reshape(-1, 2).tolist()]
+    total = sum(embeddings_per_slice(h, w, flag) for h, w in grid)
+    shown = grid if len(grid) <= 6 else [*grid[:5], "..."]
+    what = (f"{len(grid)} slice{'s' if len(grid) != 1 else ''}, {sizes_field} {shown} patches, "
+            f"{'16x' if flag else '4x'}")
+    return total, what
+
+
+def _call_is_embed(is_embed: Any, tokenizer: Any, full: Any) -> Any:
+    """vLLM's ``PromptUpdateDetails.is_embed``: ``(tokenizer, full)`` in 0.22-0.31, ``(full)`` in 0.32+."""
+    try:
+        n = len(inspect.signature(is_embed).parameters)
+    except (TypeError, ValueError):
+        n = 2
+    return is_embed(tokenizer, full) if n >= 2 else is_embed(full)
+
+
+def placeholder_embeds(updates: Sequence[Any], tokenizer: Any) -> int | None:
+    """Embedding positions of an item's placeholder: vLLM's own ``is_embed`` mask over the resolved content of the
+    item's first prompt update (all of an item's updates carry the same content), or its length if it has none."""
+    for update in updates:
+        content = getattr(update, "content", None)
+        if content is None:
+            continue
+        full = getattr(content, "full", content)
+        is_embed = getattr(content, "is_embed", None)
+        if is_embed is not None:
+            return int(_call_is_embed(is_embed, tokenizer, full).sum())
+        if isinstance(full, str):
+            return len(tokenizer.encode(full, add_special_tokens=False))
+        return len(full)
+    return None
+
+
+def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[str, Sequence[Any]],
+          indices: Mapping[str, Sequence[int]] | None = None) -> None:
+    """Raise :class:`PlaceholderMismatchError` for the first item whose placeholder and tensors disagree.
+
+    Args:
+        processor: the ``MiniCPMV4_6MultiModalProcessor`` (for its tokenizer and model config).
+        kwargs: modality -> processed items (``MultiModalKwargsItem``; None for a cached item: skipped).
+        updates: modality -> per item, its resolved prompt updates (same order as ``kwargs``).
+        indices: modality -> the request-level index of each item (default: its position).
+    """
+    info = processor.info
+    tokenizer = None
+    hf_config = None
+    for modality, items in kwargs.items():
+        if modality not in FIELDS:
+            continue
+        item_updates = updates.get(modality, ())
+        for pos, item in enumerate(items):
+            if item is None or pos >= len(item_updates):
+                continue
+            if hf_config is None:
+                hf_config = info.get_hf_config()
+            expected = expected_embeddings(modality, item, hf_config)
+            if expected is None:
+                continue
+            if tokenizer is None:
+                tokenizer = info.get_tokenizer()
+            pads = placeholder_embeds(item_updates[pos], tokenizer)
+            if pads is None or pads == expected[0]:
+                continue
+            index = indices[modality][pos] if indices is not None else pos
+            pad_text = getattr(tokenizer, FIELDS[modality][2], None) or FIELDS[modality][3]
+            raise PlaceholderMismatchError(
+                f"MiniCPM-V 4.6: {modality} item {index} of this request has {pads} {pad_text} placeholder tokens in "
+                f"the prompt, but its processed pixel values give {expected[0]} vision embeddings ({expected[1]}). "
+                "vLLM would fail inside the engine on this request (and take every request in flight with it), so "
+                "it is refused; check its mm_processor_kwargs (slice_mode, max_slice_nums, scale_resolution, "
+                "downsample_mode) -- vllm-minicpm-hotfix placeholder_guard"
+            )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The wrappers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _kwargs_and_updates(result: Any) -> tuple[Any, Any] | None:
+    """``(kwargs, prompt_updates)`` of ``_apply_hf_processor``'s result, whichever shape this vLLM returns."""
+    info = result
+    if not hasattr(info, "prompt_updates") and isinstance(result, tuple) and len(result) >= 2:
+        info = result[1]  # 0.22-0.28: (prompt_ids, MultiModalProcessingInfo, is_update_applied)
+    kwargs = getattr(info, "kwargs", None)
+    updates = getattr(info, "prompt_updates", None)
+    if kwargs is None or updates is None:
+        return None
+    return kwargs, updates
+
+
+def wrap_apply_hf_processor(original: Any) -> Any:
+    """Wrap ``BaseMultiModalProcessor._apply_hf_processor``: same signature and result; raises
+    :class:`PlaceholderMismatchError` (a ``ValueError``) where an item's counts disagree."""
+
+    @functools.wraps(original)
+    def _apply_hf_processor(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        found = _kwargs_and_updates(result)
+        if found is not None:
+            check(self, *found)
+        return result
+
+    return _apply_hf_processor
+
+
+def wrap_merge_mm_kwargs(original: Any) -> Any:
+    """Wrap ``BaseMultiModalProcessor._merge_mm_kwargs``: checks the items the cache does not hold yet, with their
+    indices in the request, *before* vLLM's cache records them; then runs vLLM's own method unchanged."""
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _merge_mm_kwargs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = sig.bind(self, *args, **kwargs).arguments
+            is_cached = bound["mm_is_cached"]
+            missing_kwargs = bound["mm_missing_kwargs"]
+            missing_updates = bound["mm_missing_prompt_updates"]
+        except (TypeError, KeyError):
+            return original(self, *args, **kwargs)
+        indices = {m: [i for i, cached in enumerate(flags) if not cached] for m, flags in is_cached.items()}
+        check(self, missing_kwargs, missing_updates,
+              indices={m: indices.get(m, range(len(v))) for m, v in missing_kwargs.items()})
+        return original(self, *args, **kwargs)
+
+    return _merge_mm_kwargs
+
+
+def apply(module: ModuleType) -> None:
+    """Set both wrappers on ``module.MiniCPMV4_6MultiModalProcessor`` (all or nothing)."""
+    cls = getattr(module, PROCESSOR_CLASS)
+    _base.set_attributes(NAME, [
+        (cls, "_apply_hf_processor", wrap_apply_hf_processor),
+        (cls, "_merge_mm_kwargs", wrap_merge_mm_kwargs),
+    ])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The probe
+# --------------------------------------------------------------------------------------------------------------------
+
+_PAD, _START, _END, _TEXT = 7, 5, 6, 1
+
+
+class _StandInTokenizer:
+    """Enough of a tokenizer for vLLM's token-id prompt-update path (never asked to encode text here)."""
+
+    image_token = "<|image_pad|>"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:  # pragma: no cover - not reached
+        raise RuntimeError("the probe uses token ids only")
+
+    def decode(self, ids: Iterable[int], **_: Any) -> str:  # pragma: no cover - not reached
+        raise RuntimeError("the probe uses token ids only")
+
+
+class _StandInInfo:
+    def __init__(self, hf_config: Any) -> None:
+        self._hf_config = hf_config
+        self._tokenizer = _StandInTokenizer()
+
+    def get_tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def get_hf_config(self) -> Any:
+        return self._hf_config
+
+
+class _Counts:
+    def __init__(self, counts: dict[str, int]) -> None:
+        self._counts = counts
+
+    def get_all_counts(self) -> dict[str, int]:
+        return dict(self._counts)
+
+
+class _StandInCache:
+    """The sender-cache calls ``_merge_mm_kwargs`` makes, for an empty cache: every item is sent."""
+
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        pass
+
+    def get_and_update_item(self, item: Any, mm_hash: str) -> Any:
+        return item
+
+    def release_sender_touches(self) -> None:  # pragma: no cover - 0.32+ calls it from the caller, not here
+        pass
+
+
+def _probe_request(module: ModuleType) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """A stand-in 4.6 processor and the arguments of its ``_merge_mm_kwargs`` and ``_maybe_apply_prompt_updates``
+    for a one-image request whose placeholder has 2 pads while its tensors (one 4x4-patch slice, 16x) give 1
+    embedding. The second call's ``mm_kwargs`` / ``mm_prompt_updates`` are filled in from the first's result."""
+    import types
+
+    import torch
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+    from vllm.multimodal.processing import processor as processing
+
+    cls = getattr(module, PROCESSOR_CLASS)
+    proc = object.__new__(cls)
+    proc.info = _StandInInfo(types.SimpleNamespace(downsample_mode="16x", insert_layer_id=0))
+    # MiniCPM-V's override renumbers <image_id> by decoding text with the real tokenizer: not what is judged here.
+    proc._recompute_cached_prompt_update = lambda update, item_idx: update
+    hf_inputs = {
+        "pixel_values": [torch.zeros(1, 3, 14, 14 * 16)],
+        "tgt_sizes": [torch.tensor([[4, 4]])],
+        "use_vit_merger": [torch.tensor([True])],
+    }
+    fields = {k: MultiModalFieldConfig.batched("image") for k in hf_inputs}
+    mm_kwargs = MultiModalKwargsItems.from_hf_inputs(hf_inputs, fields)
+    content = processing.PromptUpdateDetails.select_token_id([_START, _PAD, _PAD, _END], _PAD)
+    replacement = processing.PromptReplacement(modality="image", target=[_PAD], replacement=content)
+    updates = cls._bind_and_group_updates(proc, [replacement], {"image": 1})
+    merge_args = dict(cache=_StandInCache(), mm_hashes={"image": ["probe"]}, mm_is_cached={"image": [False]},
+                      mm_missing_kwargs=mm_kwargs, mm_missing_prompt_updates=updates)
+    prompt = [_TEXT, _PAD, _TEXT]
+    params = inspect.signature(cls._maybe_apply_prompt_updates).parameters
+    args: dict[str, Any] = {"mm_items": _Counts({"image": 1})}
+    if "mm_res" in params:  # 0.32+: one MultiModalProcessingResult
+        result_cls = processing.MultiModalProcessingResult  # a NamedTuple in 0.32-0.33
+        names = set(getattr(result_cls, "_fields", ())) or set(inspect.signature(result_cls).parameters)
+        values = {"prompt_ids": prompt, "kwargs": None, "hashes": {"image": ["probe"]}, "prompt_updates": None}
+        args["mm_res"] = (result_cls, {k: v for k, v in values.items() if k in names})
+    else:
+        args.update(prompt_ids=prompt, mm_kwargs=None, mm_prompt_updates=None)
+        if "is_update_applied" in params:  # 0.22-0.28
+            args["is_update_applied"] = False
+    unknown = set(params) - {"self", *args}
+    if unknown:
+        raise TypeError(f"_maybe_apply_prompt_updates takes parameters the probe does not know: {sorted(unknown)}")
+    return proc, merge_args, args
+
+
+def probe(module: ModuleType) -> Verdict:
+    """Does the 4.6 processor, as its classes now stand, refuse a request whose placeholder count disagrees with its
+    tensors?
+
+    Runs ``_merge_mm_kwargs`` (where the processed items of a request meet its resolved prompt updates on their way
+    to the cache; the guard's hook) and then ``_maybe_apply_prompt_updates`` (where vLLM validates items against
+    placeholders) on a stand-in for the 2-pads / 1-embedding request. Returns ``BROKEN`` if both let it through (stock
+    vLLM 0.22-0.33), ``CORRECT`` if either raises a ``ValueError`` (vLLM validating itself, or the guard applied),
+    ``UNRECOGNISED`` if the 4.6 processor or the hooked methods are not there, ``UNDETERMINED`` if the stand-in
+    request cannot be built or something else is raised. Never raises; leaves ``module`` unchanged.
+    """
+    cls = getattr(module, PROCESSOR_CLASS, None)
+    missing = [a for a in ("_apply_hf_processor", "_merge_mm_kwargs", "_maybe_apply_prompt_updates",
+                           "_bind_and_group_updates") if not callable(getattr(cls, a, None))]
+    if not isinstance(cls, type) or missing:
+        return Verdict(State.UNRECOGNISED, f"{module.__name__}.{PROCESSOR_CLASS} lacks {missing or 'itself'}",
+                       applicable=False)
+    try:
+        proc, merge_args, args = _probe_request(module)
+    except Exception as exc:  # noqa: BLE001 - an unknown layout of vLLM's processing classes
+        return Verdict(State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
+    stage = "_merge_mm_kwargs"
+    try:
+        mm_kwargs, mm_updates = cls._merge_mm_kwargs(proc, **merge_args)
+        stage = "_maybe_apply_prompt_updates"
+        if "mm_res" in args:
+            result_cls, values = args["mm_res"]
+            args["mm_res"] = result_cls(**{**values, "kwargs": mm_kwargs, "prompt_updates": mm_updates})
+        else:
+            args.update(mm_kwargs=mm_kwargs, mm_prompt_updates=mm_updates)
+        _, placeholders = cls._maybe_apply_prompt_updates(proc, **args)
+    except ValueError as exc:  # refusing the request is what a correct processor does (HTTP 400)
+        return Verdict(State.CORRECT, f"a placeholder whose count disagrees with its item's tensors is refused "
+                                      f"before the engine ({stage}: {exc})")
+    except Exception as exc:  # noqa: BLE001
+        return Verdict(State.UNDETERMINED, f"probe failed in {stage}: {type(exc).__name__}: {exc}")
+    try:
+        (ph,) = placeholders["image"]
+        n = int(ph.is_embed.sum()) if getattr(ph, "is_embed", None) is not None else int(ph.length)
+    except Exception as exc:  # noqa: BLE001
+        return Verdict(State.UNDETERMINED, f"vLLM's placeholders not readable: {type(exc).__name__}: {exc}")
+    return Verdict(State.BROKEN, f"vLLM's processor lets an image placeholder of {n} pads through for an item whose "
+                                 "tensors give 1 vision embedding (the engine would die on it)")
