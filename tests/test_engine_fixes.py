@@ -37,7 +37,9 @@ from vllm_minicpm_hotfix import decision, hook, record
 from vllm_minicpm_hotfix.fixes import _base, encoder_modes, placeholder_guard, video_budget, video_tower
 
 #: The fixes without which this environment cannot process an image at all (they are not under test here).
-BASELINE = ("qkv_loader", "processor_downsample_mode")
+#: What vLLM needs before any request reaches the code these fixes change, applied under ``auto`` (only where the
+#: installed code is broken): the q/k/v loader, the image-processor call, and on 0.23.0 the processor itself.
+BASELINE = ("qkv_loader", "processor_downsample_mode", "hf_processor_version")
 OURS = (encoder_modes, video_tower, video_budget, placeholder_guard)
 
 #: Requests that stock vLLM builds with a placeholder the tensors disagree with, for a 224x224 image on the tiny
