@@ -354,17 +354,22 @@ def family() -> str:
     return FAMILY[release]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """``tiny``: the bundled checkpoint (scale_resolution 112); ``real``: a copy with the real processor geometry."""
-    real = tmp_path_factory.mktemp("real-geometry") / "ckpt"
-    shutil.copytree(TINY, real)
-    cfg_path = real / "processor_config.json"
+def real_geometry_copy(dest: Path) -> Path:
+    """The bundled tiny checkpoint copied to ``dest`` with MiniCPM-V 4.6's real processor geometry (patch 14,
+    ``scale_resolution`` 448, ``max_slice_nums`` 9) for images and videos."""
+    shutil.copytree(TINY, dest)
+    cfg_path = dest / "processor_config.json"
     cfg = json.loads(cfg_path.read_text())
     for key in ("image_processor", "video_processor"):
         cfg[key].update(patch_size=14, scale_resolution=448, max_slice_nums=9)
     cfg_path.write_text(json.dumps(cfg, indent=2))
-    return {"tiny": TINY, "real": real}
+    return dest
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """``tiny``: the bundled checkpoint (scale_resolution 112); ``real``: a copy with the real processor geometry."""
+    return {"tiny": TINY, "real": real_geometry_copy(tmp_path_factory.mktemp("real-geometry") / "ckpt")}
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import REPO, vllm_release
 import expected as table
-from test_prompt_conformance import MINE, PROMPT, image, video
+from test_prompt_conformance import MINE, PROMPT, image, real_geometry_copy, video
 
 #: One release per family (A B C D). Tell scripts/test / .ci/run to run this module there.
 ENGINE_RELEASES = ("0.23.0", "0.24.0", "0.28.0", "0.32.0")
@@ -50,18 +50,7 @@ REQUESTS = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    import shutil
-
-    from conftest import TINY
-
-    real = tmp_path_factory.mktemp("engine") / "ckpt"
-    shutil.copytree(TINY, real)
-    cfg_path = real / "processor_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    for key in ("image_processor", "video_processor"):
-        cfg[key].update(patch_size=14, scale_resolution=448, max_slice_nums=9)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    return real
+    return real_geometry_copy(tmp_path_factory.mktemp("engine") / "ckpt")
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from conftest import TINY, hotfix
 from safetensors.torch import save_file
 from vllm_build import build_vllm_model, checkpoint_tensors, ensure_distributed, make_vllm_config
 
+from test_reliability import fused_only, without  # the bad checkpoints' builders, shared
+
 from vllm_minicpm_hotfix.fixes import qkv_guard
 from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError
 
@@ -36,17 +38,6 @@ NEVER = (
 )
 #: What the loader adds after a shard's name where vLLM >= 0.30 renamed q/k/v before handing them over.
 RENAMED = r"( \(renamed by vLLM to qkv_proj\.(weight|bias)\))?"
-
-
-def without(tensors: dict, *names: str) -> dict:
-    return {k: v for k, v in tensors.items() if k not in names}
-
-
-def fused_only(base: dict) -> dict:
-    out = without(base, *(f"{P}{p}_proj.{s}" for p in QKV for s in ("weight", "bias")))
-    for s in ("weight", "bias"):
-        out[f"{P}qkv_proj.{s}"] = torch.cat([base[f"{P}{p}_proj.{s}"] for p in QKV])
-    return out
 
 
 def wrong_q_shape(base: dict) -> dict:
