@@ -7,6 +7,7 @@ integration under ``contrib/``, or OpenTelemetry's one ``BaseInstrumentor`` per 
     NAME: str                 # key in status()["fixes"], doctor, the README release table, e.g. "qkv_loader"
     LABEL: str                # what it fixes, in words, for the one log line
     SETS: tuple[str, ...]     # what apply() sets: "Class.attr" in the model module, "pkg.module:Class.attr" elsewhere
+    MODELS: tuple[str, ...]   # the family members it applies to ("MiniCPM-V 4.6", "MiniCPM-V 4.7"); see covers()
     SCOPE: str                # optional: the checkpoints it matters for (doctor: unapplied is WARN, not FAIL)
     SCOPE_CHECK: str          # optional, with SCOPE: the command that checks a checkpoint for it (default: --model)
     def probe(module) -> decision.Verdict    # behaviour of the installed code; never raises; no version strings
@@ -41,6 +42,42 @@ MARKER_ATTR = "__vllm_minicpm_hotfix__"
 _MISSING = object()
 #: fix name -> {(owner, attribute): value before the fix set it (``_MISSING`` if the owner itself did not define it)}.
 _ORIGINALS: dict[str, dict[tuple[Any, str], Any]] = {}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The model family: which classes a fix applies to
+# --------------------------------------------------------------------------------------------------------------------
+
+#: vLLM's model module of each family member -> the member's name in messages. vLLM 0.32+ defines MiniCPM-V 4.7's
+#: classes in ``minicpmv4_7.py`` as subclasses of the 4.6 classes, so a wrapper set on a 4.6 class also runs for 4.7
+#: instances; a fix acts on an instance only if the member it belongs to is in the fix's ``MODELS``.
+FAMILY: dict[str, str] = {
+    "vllm.model_executor.models.minicpmv4_6": "MiniCPM-V 4.6",
+    "vllm.model_executor.models.minicpmv4_7": "MiniCPM-V 4.7",
+}
+
+#: Default ``MODELS`` of a fix that declares none: 4.6 only.
+DEFAULT_MODELS: tuple[str, ...] = ("MiniCPM-V 4.6",)
+
+
+def model_of(obj: Any) -> str | None:
+    """The family member (``"MiniCPM-V 4.6"``, ``"MiniCPM-V 4.7"``) that ``obj`` -- a vLLM model, processing info or
+    multimodal processor instance, or such a class -- belongs to, judged by the module that defines its *own* class
+    (not an ancestor's): a subclass vLLM defines in a module not in :data:`FAMILY` (a future 4.8) is ``None``."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return FAMILY.get(getattr(cls, "__module__", ""))
+
+
+def models_of(fix: ModuleType) -> tuple[str, ...]:
+    """The family members ``fix`` declares (its ``MODELS``; :data:`DEFAULT_MODELS` if it declares none)."""
+    return tuple(getattr(fix, "MODELS", DEFAULT_MODELS))
+
+
+def covers(fix: ModuleType | tuple[str, ...], obj: Any) -> bool:
+    """Whether ``fix`` (a fix module, or its ``MODELS`` tuple) applies to ``obj``'s class: its wrappers hand every
+    other instance to vLLM's own code."""
+    models = fix if isinstance(fix, tuple) else models_of(fix)
+    return model_of(obj) in models
 
 
 # --------------------------------------------------------------------------------------------------------------------
