@@ -29,6 +29,10 @@ class FixStatus:
     why: str  #: why it was (not) applied
     error: str | None = None  #: an exception caught inside the hook, if any
     label: str = ""  #: what the fix repairs, in words (the fix module's LABEL)
+    #: Per family member present in this vLLM ("MiniCPM-V 4.6", "MiniCPM-V 4.7") and per subclass no member owns
+    #: ("module.QualName"): ``declared`` (in the fix's MODELS), ``verdict`` / ``reason`` (its probe on that member's
+    #: classes), ``applied`` (the fix acts for it), ``why``; ``unknown`` for a subclass no member owns.
+    models: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -73,11 +73,128 @@ def models_of(fix: ModuleType) -> tuple[str, ...]:
     return tuple(getattr(fix, "MODELS", DEFAULT_MODELS))
 
 
+#: fix NAME -> the members it acts for in this process (the declared members whose own verdict and the mode chose
+#: to apply it, set by :func:`run`); a fix applied outside :func:`run` (a test calling ``apply``) acts for all it
+#: declares.
+_ACTIVE: dict[str, frozenset[str]] = {}
+
+#: (fix NAME, class) pairs already reported as an undeclared subclass in this process (logged once each).
+_REPORTED: set[tuple[str, type]] = set()
+
+
 def covers(fix: ModuleType | tuple[str, ...], obj: Any) -> bool:
-    """Whether ``fix`` (a fix module, or its ``MODELS`` tuple) applies to ``obj``'s class: its wrappers hand every
-    other instance to vLLM's own code."""
-    models = fix if isinstance(fix, tuple) else models_of(fix)
-    return model_of(obj) in models
+    """Whether ``fix`` (a fix module, or its ``MODELS`` tuple) acts for ``obj`` (an instance or class): ``obj``'s own
+    class belongs to a member the fix declares and, for a fix module run by the hook, one it chose to apply to. Its
+    wrappers hand every other instance to vLLM's own code. An instance of a class no member owns (a subclass vLLM
+    defines in a module not in :data:`FAMILY`) is reported once (status, one WARNING line) by :func:`note_unknown`."""
+    member = model_of(obj)
+    if isinstance(fix, tuple):
+        return member in fix
+    if member is None:
+        note_unknown(fix, obj)
+        return False
+    active = _ACTIVE.get(fix.NAME)
+    return member in (active if active is not None else models_of(fix))
+
+
+def class_name(cls: type) -> str:
+    """``module.QualName`` of a class: the key of an undeclared subclass in ``status()["fixes"][NAME]["models"]``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _undeclared_row(fix: ModuleType, cls: type, base: type) -> dict[str, Any]:
+    return {
+        "declared": False, "verdict": "n/a", "reason": "", "applied": False, "unknown": True,
+        "why": (f"{class_name(cls)} subclasses vLLM's {base.__name__} but is no member of the family this hotfix "
+                f"knows ({', '.join(FAMILY.values())}); {fix.NAME} does not cover it: its instances get vLLM's own "
+                "code"),
+    }
+
+
+def note_unknown(fix: ModuleType, obj: Any) -> None:
+    """Record (in ``status()``, under the fix's ``models``) and log once that ``fix``'s wrapper was reached by an
+    instance of a class no family member owns, and handed it to vLLM. Never raises."""
+    try:
+        cls = obj if isinstance(obj, type) else type(obj)
+        if (fix.NAME, cls) in _REPORTED:
+            return
+        _REPORTED.add((fix.NAME, cls))
+        base = next((b for b in cls.__mro__[1:] if b.__module__ in FAMILY), cls)
+        row = _undeclared_row(fix, cls, base)
+        entry = current().fixes.get(fix.NAME)
+        if entry is not None:
+            entry.models[class_name(cls)] = row
+        logger.warning("vllm-minicpm-hotfix: %s", row["why"])
+    except Exception:  # noqa: BLE001 - reporting must never break vLLM's call
+        pass
+
+
+def unknown_subclasses(fix: ModuleType, module: ModuleType) -> dict[str, dict[str, Any]]:
+    """Every class defined so far in this process (``__subclasses__``, recursively) that subclasses a class ``fix``
+    patches in ``module`` and that no family member owns: ``{module.QualName: status row}``. Never raises."""
+    out: dict[str, dict[str, Any]] = {}
+    for target in getattr(fix, "SETS", ()):
+        found = resolve(module, target)
+        if found is None or not isinstance(found[0], type) or found[0].__module__ not in FAMILY:
+            continue
+        base = found[0]
+        todo = list(base.__subclasses__())
+        while todo:
+            cls = todo.pop()
+            todo.extend(cls.__subclasses__())
+            if cls.__module__ not in FAMILY:
+                out.setdefault(class_name(cls), _undeclared_row(fix, cls, base))
+    return out
+
+
+def member_modules(module: ModuleType) -> dict[str, ModuleType]:
+    """The family members present in this vLLM, each as the module a fix's probe runs on: ``module`` (vLLM's 4.6
+    model module) for its own member and, for every other member whose model module exists here
+    (``vllm.model_executor.models.minicpmv4_7`` on vLLM 0.32+; imported now if vLLM has not yet), a view of
+    ``module`` whose 4.6 classes (``MiniCPMV4_6ProcessingInfo`` ...) are that member's subclasses of them
+    (``MiniCPMV4_7ProcessingInfo`` ...; classes the member does not subclass, e.g. the window attention, stay
+    4.6's). A probe written against the 4.6 names thereby judges the member's own classes. Never raises: a member
+    module that fails to import is left out."""
+    own = FAMILY.get(module.__name__, DEFAULT_MODELS[0])
+    out: dict[str, ModuleType] = {own: module}
+    for mod_name, member in FAMILY.items():
+        if member in out:
+            continue
+        other = _import_member(mod_name)
+        if other is not None:
+            out[member] = member_view(module, other)
+    return out
+
+
+def _import_member(mod_name: str) -> ModuleType | None:
+    import sys
+
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec(mod_name) is None:
+            return None
+        return importlib.import_module(mod_name)
+    except Exception:  # noqa: BLE001 - a member module that does not import is not served by this vLLM anyway
+        return None
+
+
+def member_view(module: ModuleType, other: ModuleType) -> ModuleType:
+    """A module named as ``other`` holding everything of ``module``, except that each class of ``module`` that
+    ``other`` subclasses (same name with ``other``'s member tag, e.g. ``4_6`` -> ``4_7``) is ``other``'s class."""
+    tag = module.__name__.rsplit("minicpmv", 1)[-1]
+    other_tag = other.__name__.rsplit("minicpmv", 1)[-1]
+    view = ModuleType(other.__name__)
+    view.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
+    for name, value in vars(module).items():
+        if isinstance(value, type) and tag in name:
+            sub = getattr(other, name.replace(tag, other_tag), None)
+            if isinstance(sub, type) and issubclass(sub, value):
+                setattr(view, name, sub)
+    view.__member_module__ = other
+    return view
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -201,6 +318,7 @@ def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
         else:
             undo.append((owner, attr, old))
     _undo(undo)
+    _ACTIVE.pop(fix, None)
     if keys:
         entry = current().fixes.get(fix)
         if entry is not None:
@@ -230,8 +348,11 @@ def revert(module: ModuleType | None = None) -> bool:
 
 
 def run(fix: ModuleType, module: ModuleType) -> FixStatus:
-    """What the post-import hook does for one fix: read the mode, probe (not under ``off``), decide, apply, record
-    the outcome in the status record under ``fix.NAME`` and log one line with the pid.
+    """What the post-import hook does for one fix: read the mode; per family member present in this vLLM
+    (:func:`member_modules`) that the fix declares, probe that member's classes (not under ``off``) and decide; apply
+    if any member needs it (the wrappers then act for exactly those members, :func:`covers`); record the outcome in
+    the status record under ``fix.NAME`` (the top-level verdict / reason / why are the 4.6 member's, ``models`` holds
+    every member's and every undeclared subclass's) and log one line with the pid.
 
     A fix already patched in this process (by this copy of the package or another) is reported as such and left
     alone. Raises only what ``fix.apply`` raises (the hook catches and logs it); the classes are then left exactly as
@@ -245,22 +366,47 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
         status.fixes[name] = entry
         return entry
     mode = decision.Mode(status.mode)
-    if mode is decision.Mode.OFF:
-        verdict = decision.Verdict(decision.State.UNDETERMINED, "not probed (off)")
-    else:
-        verdict = fix.probe(module)
-    chosen = decision.decide(mode, verdict)
+    declared = models_of(fix)
+    own = FAMILY.get(module.__name__, DEFAULT_MODELS[0])
+    rows: dict[str, dict[str, Any]] = {}
+    choices: dict[str, decision.Decision] = {}
+    verdicts: dict[str, decision.Verdict] = {}
+    for member, view in member_modules(module).items():
+        if member not in declared:
+            rows[member] = {"declared": False, "verdict": "n/a", "reason": "", "applied": False,
+                            "why": f"{name} does not declare {member}: its instances get vLLM's own code"}
+            continue
+        if mode is decision.Mode.OFF:
+            verdict = decision.Verdict(decision.State.UNDETERMINED, "not probed (off)")
+        else:
+            verdict = fix.probe(view)
+        verdicts[member], choices[member] = verdict, decision.decide(mode, verdict)
+        rows[member] = {"declared": True, "verdict": verdict.state.value, "reason": verdict.reason,
+                        "applied": False, "why": choices[member].why}
+    verdict = verdicts.get(own) or decision.Verdict(decision.State.UNDETERMINED, f"{name} does not declare {own}")
+    chosen = choices.get(own) or decision.decide(decision.Mode.OFF, verdict)
+    acting = frozenset(m for m, c in choices.items() if c.apply)
     entry = FixStatus(name, verdict.state.value, verdict.reason, False, chosen.why, label=fix.LABEL)
+    entry.models = rows
     status.fixes[name] = entry
     version = installed_vllm_version()
-    if chosen.apply:
-        fix.apply(module)
+    if acting:
+        _ACTIVE[name] = acting
+        try:
+            fix.apply(module)
+        except BaseException:
+            _ACTIVE.pop(name, None)
+            raise
         entry.applied = True
+        if not chosen.apply:
+            entry.why = f"applied for {', '.join(sorted(acting))} only; {own}: {chosen.why}"
+        for member in acting:
+            rows[member]["applied"] = True
         # WARNING, not INFO: patching vLLM must be impossible to miss, also where vLLM has not configured its
         # logging yet (0.32+ configures it lazily, so an INFO line from a script would be dropped).
         logger.warning(
-            "vllm-minicpm-hotfix: MiniCPM-V 4.6 %s PATCHED in pid %d (vLLM %s, mode %s): %s",
-            fix.LABEL, os.getpid(), version, mode.value, chosen.why,
+            "vllm-minicpm-hotfix: %s %s PATCHED in pid %d (vLLM %s, mode %s): %s",
+            " and ".join(sorted(acting)), fix.LABEL, os.getpid(), version, mode.value, chosen.why,
         )
     else:
         unsure = verdict.state in (decision.State.UNRECOGNISED, decision.State.UNDETERMINED)
@@ -269,4 +415,7 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
             level, "vllm-minicpm-hotfix: %s not applied in pid %d (vLLM %s): %s", fix.LABEL, os.getpid(), version,
             chosen.why,
         )
+    for cls_name, row in unknown_subclasses(fix, module).items():
+        rows[cls_name] = row
+        logger.warning("vllm-minicpm-hotfix: %s", row["why"])
     return entry

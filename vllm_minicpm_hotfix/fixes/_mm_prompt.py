@@ -39,6 +39,8 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from . import _base
+
 #: The processor kwargs that decide an item's placeholder (transformers' ``MiniCPMV4_6ImageProcessorKwargs``) and
 #: transformers' class defaults for them.
 SIZING_DEFAULTS: dict[str, Any] = {
@@ -96,17 +98,17 @@ def _run_in_request(fn: Callable[..., Any], request: Request) -> Callable[..., A
     return in_request
 
 
-def wrap_get_prompt_updates(original: Callable[..., Any], owner: type) -> Callable[..., Any]:
+def wrap_get_prompt_updates(original: Callable[..., Any], fix: Any) -> Callable[..., Any]:
     """Wrap ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(self, mm_items, hf_processor_mm_kwargs,
     out_mm_kwargs) -> Sequence[PromptUpdate]``: vLLM's own updates, each callable ``replacement`` wrapped so that it
-    runs with :data:`REQUEST` set to this call's items and kwargs. Instances of subclasses (MiniCPM-V 4.7 on vLLM
-    0.32+) get vLLM's result unchanged. Raises what the original raises."""
+    runs with :data:`REQUEST` set to this call's items and kwargs. Instances of a class ``fix`` (the fix module) does
+    not cover (:func:`._base.covers`) get vLLM's result unchanged. Raises what the original raises."""
     sig = inspect.signature(original)
 
     @functools.wraps(original)
     def _get_prompt_updates(self: Any, *args: Any, **kwargs: Any) -> Any:
         updates = original(self, *args, **kwargs)
-        if type(self) is not owner:
+        if not _base.covers(fix, self):
             return updates
         try:
             bound = sig.bind(self, *args, **kwargs).arguments
@@ -125,15 +127,15 @@ def wrap_get_prompt_updates(original: Callable[..., Any], owner: type) -> Callab
     return _get_prompt_updates
 
 
-def wrap_process_mm_inputs(original: Callable[..., Any], owner: type) -> Callable[..., Any]:
+def wrap_process_mm_inputs(original: Callable[..., Any], fix: Any) -> Callable[..., Any]:
     """Wrap ``MiniCPMVMultiModalProcessor.process_mm_inputs(self, mm_data, mm_kwargs[, tok_kwargs])`` (where vLLM
     turns a request's images and videos into tensors, every release 0.22-0.33) so that it runs with
-    :data:`PROCESSING` set to the request's ``mm_kwargs``. Subclass instances run vLLM's own unchanged."""
+    :data:`PROCESSING` set to the request's ``mm_kwargs``. Instances ``fix`` does not cover run vLLM's own."""
     sig = inspect.signature(original)
 
     @functools.wraps(original)
     def process_mm_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if type(self) is not owner:
+        if not _base.covers(fix, self):
             return original(self, *args, **kwargs)
         try:
             mm_kwargs = sig.bind(self, *args, **kwargs).arguments.get("mm_kwargs")
@@ -159,14 +161,14 @@ def request_max_slice_nums() -> int | None:
     return int(value) if value is not None else None
 
 
-def wrap_get_video_max_slice_num(original: Callable[..., Any], owner: type) -> Callable[..., Any]:
+def wrap_get_video_max_slice_num(original: Callable[..., Any], fix: Any) -> Callable[..., Any]:
     """Wrap ``MiniCPMV4_6ProcessingInfo.get_video_max_slice_num(self) -> int`` (the slice limit vLLM hands the image
     processor for every video frame, and counts with): the request's own ``max_slice_nums`` while one is being
     processed -- as transformers' video processor honours it -- else vLLM's (the video processor's)."""
 
     @functools.wraps(original)
     def get_video_max_slice_num(self: Any, *args: Any, **kwargs: Any) -> int:
-        if type(self) is owner:
+        if _base.covers(fix, self):
             requested = request_max_slice_nums()
             if requested is not None:
                 return requested
@@ -334,6 +336,18 @@ def id_prefix(hf_processor: Any, idx: int) -> str:
     return f"{token(hf_processor, 'image_id_start_token')}{idx}{token(hf_processor, 'image_id_end_token')}"
 
 
+def local_id(hf_processor: Any, idx: int, name: str) -> str:
+    """The local id transformers' processor puts in front of item ``idx`` of a prompt where ``use_image_id`` holds,
+    ``name`` = ``"image_token"`` / ``"video_token"``: what its own ``_prepend_local_ids`` prepends
+    (``<image_id>idx</image_id>`` for 4.6's images and videos and 4.7's images, nothing for 4.7's videos); for a
+    processor without it, :func:`id_prefix`."""
+    prepend = getattr(type(hf_processor), "_prepend_local_ids", None)
+    if not callable(prepend):
+        return id_prefix(hf_processor, idx)
+    pad = token(hf_processor, name)
+    return prepend(hf_processor, [pad * (idx + 1)], [""] * (idx + 1), pad)[idx]
+
+
 class _SlicedAs:
     """transformers' processor as ``replace_image_token`` / ``replace_video_token`` read it, except that its
     ``slice_mode`` / ``video_slice_mode`` (the gate on the slice rows, set when the processor was built) are the
@@ -374,14 +388,15 @@ def image_text(hf_processor: Any, image_processor: Any, hw: tuple[int, int], eff
     else:
         counts = [h * w // d for h, w in sizes]
         text = _rows_text(hf_processor, token(hf_processor, "image_token"), counts[0], grid, counts[1:], True)
-    return (id_prefix(hf_processor, idx) if eff["use_image_id"] else "") + text
+    return (local_id(hf_processor, idx, "image_token") if eff["use_image_id"] else "") + text
 
 
 def video_text(
     hf_processor: Any, image_processor: Any, frames_hw: Sequence[tuple[int, int]], eff: Mapping[str, Any], idx: int
 ) -> str:
-    """The text transformers' ``MiniCPMV4_6Processor`` puts in place of video ``idx`` whose frames have the given
-    ``(height, width)``, each processed with ``eff``; ``<image_id>`` prefix included when ``eff["use_image_id"]``."""
+    """The text transformers' ``MiniCPMV4_6Processor`` / ``MiniCPMV4_7Processor`` puts in place of video ``idx`` whose
+    frames have the given ``(height, width)``, each processed with ``eff``; its local id (:func:`local_id`) included
+    when ``eff["use_image_id"]``."""
     import numpy as np
 
     grids, sizes = [], []
@@ -407,7 +422,7 @@ def video_text(
             counts = [h * w // d for h, w in sizes[pos : pos + n]]
             pos += n
             text += _rows_text(hf_processor, pad, counts[0], grid, [counts[1]] * (n - 1) if n > 1 else [], sliced)
-    return (id_prefix(hf_processor, idx) if eff["use_image_id"] else "") + text
+    return (local_id(hf_processor, idx, "video_token") if eff["use_image_id"] else "") + text
 
 
 # --------------------------------------------------------------------------------------------------------------------

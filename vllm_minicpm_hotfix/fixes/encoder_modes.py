@@ -52,6 +52,7 @@ The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``,
 
 from __future__ import annotations
 
+import sys
 import functools
 import inspect
 import types
@@ -63,6 +64,7 @@ from ..decision import State, Verdict
 from . import _base
 
 NAME = "encoder_modes"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "per-item downsample mode in the vision encoder (mixed 4x/16x batches, 4x videos)"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
@@ -134,6 +136,8 @@ def wrap_embed_multimodal(original: Any) -> Any:
 
     @functools.wraps(original)
     def embed_multimodal(self: Any, **kwargs: Any) -> Any:
+        if not _base.covers(sys.modules[__name__], self):
+            return original(self, **kwargs)
         image_flag_value = kwargs.get(IMAGE_FLAG)
         video_flag_value = kwargs.get(VIDEO_FLAG)
         image_kw = {k: kwargs[k] for k in IMAGE_KEYS if kwargs.get(k) is not None}
@@ -207,6 +211,8 @@ def wrap_process_mm_inputs(original: Any) -> Any:
     @functools.wraps(original)
     def process_mm_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
+        if not _base.covers(sys.modules[__name__], self):
+            return out
         videos = out.get("video_pixel_values") if isinstance(out, Mapping) else None
         if not videos or VIDEO_FLAG in out:
             return out
@@ -237,6 +243,8 @@ def wrap_get_mm_fields_config(original: Any) -> Any:
     @functools.wraps(original)
     def _get_mm_fields_config(self: Any, hf_inputs: Any, *args: Any, **kwargs: Any) -> Any:
         fields = original(self, hf_inputs, *args, **kwargs)
+        if not _base.covers(sys.modules[__name__], self):
+            return fields
         if VIDEO_FLAG in hf_inputs and VIDEO_FLAG not in fields:
             fields = {**fields, VIDEO_FLAG: _batched_video_field()}
         return fields

@@ -26,6 +26,7 @@ that processor, ``correct`` if it returns it. Costs ~10 ms (building the stand-i
 
 from __future__ import annotations
 
+import sys
 import functools
 from types import ModuleType
 from typing import Any
@@ -35,6 +36,7 @@ from . import _base
 from . import _mm_prompt as mp
 
 NAME = "hf_processor_version"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "4.6 processor (no legacy MiniCPMVProcessor wrapper)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 SETS = (f"{INFO_CLASS}.get_hf_processor",)
@@ -46,6 +48,8 @@ def make_get_hf_processor(original: Any) -> Any:
 
     @functools.wraps(original)
     def get_hf_processor(self: Any, **kwargs: object) -> Any:
+        if not _base.covers(sys.modules[__name__], self):
+            return original(self, **kwargs)
         hf_processor = self.ctx.get_hf_processor(**kwargs)
         image_processor = getattr(hf_processor, "image_processor", None)
         if image_processor is not None:

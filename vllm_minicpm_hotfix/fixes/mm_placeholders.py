@@ -38,8 +38,9 @@ where ``use_image_id``. Set on vLLM's classes (``SETS``):
   a video's frames are sliced with the request's own ``max_slice_nums`` where it has one (vLLM pinned the video
   processor's), so tensors and text agree with transformers.
 
-Instances of subclasses (MiniCPM-V 4.7's classes in 0.32+) get vLLM's own behaviour. The W/H order and the layout are
-fixed together, as one replacement: fixing the swap alone on 0.22-0.23 uncovers the full rows/columns bug.
+It acts for MiniCPM-V 4.6 and 4.7 (``MODELS``; 4.7's classes in 0.32+ inherit every method above, and its text is
+transformers' ``MiniCPMV4_7Processor``'s, which vLLM builds for it); instances of any other subclass get vLLM's own
+behaviour (:func:`._base.covers`). The W/H order and the layout are fixed together, as one replacement: fixing the swap alone on 0.22-0.23 uncovers the full rows/columns bug.
 ``processor_downsample_mode`` (transformers >= 5.23's required ``downsample_mode``) stays a fix of its own: this one
 passes ``downsample_mode`` to transformers itself wherever the installed signature takes it and never calls
 ``_compute_visual_tokens``, so it is correct with or without that fix; ``_compute_visual_tokens`` (which vLLM code
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -67,6 +69,7 @@ from . import _base
 from . import _mm_prompt as mp
 
 NAME = "mm_placeholders"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "image/video placeholder text (transformers' layout and kwargs)"
 
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
@@ -129,15 +132,15 @@ def _bound(original: Any) -> Any:
     return bind
 
 
-def wrap_get_slice_image_placeholder(original: Any, owner: type) -> Any:
+def wrap_get_slice_image_placeholder(original: Any, fix: Any) -> Any:
     """``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder(self, image_size, image_idx=0, max_slice_nums=None,
     use_image_id=True, downsample_mode=None) -> str``: transformers' text (:func:`image_placeholder`); arguments
-    vLLM passes explicitly win over the request's kwargs. Subclass instances (4.7) get vLLM's own."""
+    vLLM passes explicitly win over the request's kwargs. Instances ``fix`` does not cover get vLLM's own."""
     bind = _bound(original)
 
     @functools.wraps(original)
     def get_slice_image_placeholder(self: Any, *args: Any, **kwargs: Any) -> str:
-        if type(self) is not owner:
+        if not _base.covers(fix, self):
             return original(self, *args, **kwargs)
         a = bind(self, *args, **kwargs)
         explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode", "use_image_id")}
@@ -147,14 +150,14 @@ def wrap_get_slice_image_placeholder(original: Any, owner: type) -> Any:
     return get_slice_image_placeholder
 
 
-def wrap_get_num_image_tokens(original: Any, owner: type) -> Any:
+def wrap_get_num_image_tokens(original: Any, fix: Any) -> Any:
     """``MiniCPMV4_6ProcessingInfo.get_num_image_tokens(self, image_size, max_slice_nums=None,
     downsample_mode=None) -> int``: the number of ``<|image_pad|>`` in :func:`image_placeholder`'s text."""
     bind = _bound(original)
 
     @functools.wraps(original)
     def get_num_image_tokens(self: Any, *args: Any, **kwargs: Any) -> int:
-        if type(self) is not owner:
+        if not _base.covers(fix, self):
             return original(self, *args, **kwargs)
         a = bind(self, *args, **kwargs)
         explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode")}
@@ -166,14 +169,14 @@ def wrap_get_num_image_tokens(original: Any, owner: type) -> Any:
     return get_num_image_tokens
 
 
-def wrap_get_video_prompt_texts(original: Any, owner: type) -> Any:
+def wrap_get_video_prompt_texts(original: Any, fix: Any) -> Any:
     """``MiniCPMV4_6MultiModalProcessor.get_video_prompt_texts(self, image_size, num_frames, downsample_mode=None,
     video_idx=0) -> str``: transformers' text (:func:`video_placeholder`)."""
     bind = _bound(original)
 
     @functools.wraps(original)
     def get_video_prompt_texts(self: Any, *args: Any, **kwargs: Any) -> str:
-        if type(self) is not owner:
+        if not _base.covers(fix, self):
             return original(self, *args, **kwargs)
         a = bind(self, *args, **kwargs)
         explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode")}
@@ -186,17 +189,18 @@ def wrap_get_video_prompt_texts(original: Any, owner: type) -> Any:
 
 
 def apply(module: ModuleType) -> None:
+    _THIS = sys.modules[__name__]
     info_cls = getattr(module, INFO_CLASS)
     proc_cls = getattr(module, PROC_CLASS)
     _base.set_attributes(
         NAME,
         [
-            (proc_cls, "_get_prompt_updates", lambda old: mp.wrap_get_prompt_updates(old, proc_cls)),
-            (info_cls, "get_slice_image_placeholder", lambda old: wrap_get_slice_image_placeholder(old, info_cls)),
-            (info_cls, "get_num_image_tokens", lambda old: wrap_get_num_image_tokens(old, info_cls)),
-            (proc_cls, "get_video_prompt_texts", lambda old: wrap_get_video_prompt_texts(old, proc_cls)),
-            (proc_cls, "process_mm_inputs", lambda old: mp.wrap_process_mm_inputs(old, proc_cls)),
-            (info_cls, "get_video_max_slice_num", lambda old: mp.wrap_get_video_max_slice_num(old, info_cls)),
+            (proc_cls, "_get_prompt_updates", lambda old: mp.wrap_get_prompt_updates(old, _THIS)),
+            (info_cls, "get_slice_image_placeholder", lambda old: wrap_get_slice_image_placeholder(old, _THIS)),
+            (info_cls, "get_num_image_tokens", lambda old: wrap_get_num_image_tokens(old, _THIS)),
+            (proc_cls, "get_video_prompt_texts", lambda old: wrap_get_video_prompt_texts(old, _THIS)),
+            (proc_cls, "process_mm_inputs", lambda old: mp.wrap_process_mm_inputs(old, _THIS)),
+            (info_cls, "get_video_max_slice_num", lambda old: mp.wrap_get_video_max_slice_num(old, _THIS)),
         ],
     )
 

@@ -33,7 +33,7 @@ were judged when they were first processed: the cache key includes the request's
 On a mismatch it raises one ``ValueError`` naming the modality, the item's index in the request, both counts and the
 slice sizes, e.g.::
 
-    MiniCPM-V 4.6: image item 0 of this request has 20 <|image_pad|> placeholder tokens in the prompt, but its
+    MiniCPM-V 4.7: image item 0 of this request has 20 <|image_pad|> placeholder tokens in the prompt, but its
     processed pixel values give 4 vision embeddings (1 slice, tgt_sizes [[8, 8]] patches, 16x) ...
 
 ``vllm serve`` answers such a request ``400 Bad Request`` with that message; the engine never sees it. Where the
@@ -70,6 +70,7 @@ The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``,
 
 from __future__ import annotations
 
+import sys
 import functools
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
@@ -80,6 +81,7 @@ from ..decision import State, Verdict
 from . import _base
 
 NAME = "placeholder_guard"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "placeholder/embedding count guard (HTTP 400 instead of a dead engine)"
 PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
 SETS = (f"{PROCESSOR_CLASS}._apply_hf_processor", f"{PROCESSOR_CLASS}._merge_mm_kwargs")
@@ -220,7 +222,7 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
             index = indices[modality][pos] if indices is not None else pos
             pad_text = getattr(tokenizer, FIELDS[modality][2], None) or FIELDS[modality][3]
             raise PlaceholderMismatchError(
-                f"MiniCPM-V 4.6: {modality} item {index} of this request has {pads} {pad_text} placeholder tokens in "
+                f"{_base.model_of(processor) or 'MiniCPM-V'}: {modality} item {index} of this request has {pads} {pad_text} placeholder tokens in "
                 f"the prompt, but its processed pixel values give {expected[0]} vision embeddings ({expected[1]}). "
                 "vLLM would fail inside the engine on this request (and take every request in flight with it), so "
                 "it is refused; check its mm_processor_kwargs (slice_mode, max_slice_nums, scale_resolution, "
@@ -253,7 +255,7 @@ def wrap_apply_hf_processor(original: Any) -> Any:
     def _apply_hf_processor(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         found = _kwargs_and_updates(result)
-        if found is not None:
+        if found is not None and _base.covers(sys.modules[__name__], self):
             check(self, *found)
         return result
 
@@ -267,6 +269,8 @@ def wrap_merge_mm_kwargs(original: Any) -> Any:
 
     @functools.wraps(original)
     def _merge_mm_kwargs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _base.covers(sys.modules[__name__], self):
+            return original(self, *args, **kwargs)
         try:
             bound = sig.bind(self, *args, **kwargs).arguments
             is_cached = bound["mm_is_cached"]

@@ -61,6 +61,7 @@ The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``,
 
 from __future__ import annotations
 
+import sys
 import collections
 import functools
 import inspect
@@ -72,6 +73,7 @@ from ..decision import Verdict
 from . import _base
 
 NAME = "processor_downsample_mode"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "image placeholder count (downsample_mode)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 METHOD = "_compute_visual_tokens"
@@ -185,6 +187,8 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
 
     @functools.wraps(original)
     def _compute_visual_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _base.covers(sys.modules[__name__], self):
+            return original(self, *args, **kwargs)
         try:
             bound = sig.bind(self, *args, **kwargs)
         except TypeError:

@@ -50,6 +50,7 @@ tells whether a given checkpoint holds every vit_merger q/k/v tensor.
 
 from __future__ import annotations
 
+import sys
 import contextvars
 import functools
 from collections.abc import Iterable
@@ -61,6 +62,7 @@ from . import _base
 from .qkv_loader import ATTN_CLASS, FUSED, MODEL_CLASS, PROBE_NAMES, QKVLoadError, _stand_in_model, recognise_layout
 
 NAME = "qkv_completeness_guard"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "vit_merger q/k/v completeness guard"
 SETS = (f"{MODEL_CLASS}.load_weights",)
 #: A check, not a repair: vLLM loads a complete checkpoint correctly without it, so it matters only for these
@@ -168,7 +170,7 @@ def wrap_model_load_weights(original: Any, attn_cls: type) -> Any:
 
     @functools.wraps(original)
     def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> Any:
-        if _ACTIVE.get() is not None:
+        if _ACTIVE.get() is not None or not _base.covers(sys.modules[__name__], self):
             return original(self, weights)
         watch = _Watch(self, attn_cls)
         token = _ACTIVE.set(watch)

@@ -29,6 +29,7 @@ Nothing here imports vLLM or torch at import time; they are imported on first us
 
 from __future__ import annotations
 
+import sys
 import contextlib
 import contextvars
 from collections.abc import Iterable, Iterator
@@ -39,6 +40,7 @@ from ..decision import State, Verdict
 from . import _base
 
 NAME = "qkv_loader"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "vit_merger q/k/v loader"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 ATTN_CLASS = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
@@ -314,6 +316,8 @@ def wrap_model_load_weights(original: Any, attn_cls: type) -> Any:
 
     @functools.wraps(original)
     def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        if not _base.covers(sys.modules[__name__], self):
+            return original(self, weights)
         with load_session():
             loaded = original(self, weights)
         never = qkv_params_never_loaded(self, attn_cls)

@@ -26,6 +26,7 @@ NAME = "unsupported_quant_method"
 LABEL = "quantization method check"
 TARGET = "vllm.config.model:ModelConfig._verify_quantization"
 SETS = (TARGET,)
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 #: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
 #: given checkpoint).
 SCOPE = "quantized checkpoints"
@@ -53,6 +54,14 @@ def _is_minicpm(hf_config: Any) -> bool:
     return any(str(a).startswith(("MiniCPMV4_6", "MiniCPMV4_7")) for a in getattr(hf_config, "architectures", None) or ())
 
 
+def _member(hf_config: Any) -> str:
+    """The family member a checkpoint's config names (its architecture or ``model_type``): "MiniCPM-V 4.7" for
+    ``MiniCPMV4_7*`` / ``minicpmv4_7``, else "MiniCPM-V 4.6"."""
+    names = [str(a) for a in getattr(hf_config, "architectures", None) or ()]
+    names.append(str(getattr(hf_config, "model_type", "") or ""))
+    return "MiniCPM-V 4.7" if any("4_7" in n for n in names) else "MiniCPM-V 4.6"
+
+
 def _quant_cfg(model_config: Any) -> dict | None:
     for owner in (getattr(model_config, "model_arch_config", None), getattr(model_config, "hf_config", None)):
         cfg = getattr(owner, "quantization_config", None)
@@ -61,10 +70,10 @@ def _quant_cfg(model_config: Any) -> dict | None:
     return None
 
 
-def explain(model: str, method: str, known: list[str], version: str) -> str:
+def explain(model: str, method: str, known: list[str], version: str, member: str = "MiniCPM-V 4.6") -> str:
     """The message: the checkpoint, its ``quant_method``, that this vLLM lacks it, and what loads instead."""
     return (
-        f"MiniCPM-V 4.6 checkpoint {model} is quantized with quant_method={method!r} (its config.json "
+        f"{member} checkpoint {model} is quantized with quant_method={method!r} (its config.json "
         f"quantization_config), which vLLM {version} does not support ({method} is not among its quantization "
         f"methods: {', '.join(sorted(known))}). Layouts that load on this vLLM with vllm-minicpm-hotfix: "
         + "; ".join(WORKING_LAYOUTS)
@@ -94,7 +103,8 @@ def wrap_verify(original: Callable) -> Callable:
                 raise
             from ..record import installed_vllm_version
 
-            raise ValueError(explain(str(getattr(self, "model", "?")), method, known, installed_vllm_version())) from exc
+            raise ValueError(explain(str(getattr(self, "model", "?")), method, known, installed_vllm_version(),
+                                     _member(getattr(self, "hf_config", None)))) from exc
 
     _verify_quantization.__wrapped__ = original
     return _verify_quantization

@@ -31,6 +31,7 @@ at once, instead of an ``AssertionError`` deep in the weight loader.
 
 from __future__ import annotations
 
+import sys
 import contextlib
 import dataclasses
 import functools
@@ -45,6 +46,7 @@ from ..quant_layout import LayerRow, ModuleStorage
 from . import _base
 
 NAME = "quantized_vision"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "quantized-checkpoint vision layers"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 SETS = (f"{MODEL_CLASS}.__init__",)
@@ -260,6 +262,9 @@ def wrap_init(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not _base.covers(sys.modules[__name__], self):
+            original(self, *args, **kwargs)
+            return
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
         quant_config = getattr(vllm_config, "quant_config", None)
         plan = None

@@ -36,6 +36,7 @@ The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``,
 
 from __future__ import annotations
 
+import sys
 import functools
 import inspect
 import types
@@ -47,6 +48,7 @@ from ..decision import State, Verdict
 from . import _base
 
 NAME = "video_budget"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "video encoder budget (frames profiled = frames loaded)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 METHOD = "get_num_frames_with_most_features"
@@ -91,6 +93,8 @@ def wrap_get_num_frames(original: Any) -> Any:
     def get_num_frames_with_most_features(self: Any, seq_len: int, mm_counts: Mapping[str, int],
                                           *args: Any, **kwargs: Any) -> int:
         frames = original(self, seq_len, mm_counts, *args, **kwargs)
+        if not _base.covers(sys.modules[__name__], self):
+            return frames
         want = loader_frames(self)
         if want is None or frames >= want:
             return frames

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -41,6 +42,9 @@ NAME = "video_image_id_cache"
 LABEL = "cached video <image_id> index"
 PROC_CLASS = "MiniCPMV4_6MultiModalProcessor"
 SETS = (f"{PROC_CLASS}._recompute_cached_prompt_update",)
+#: 4.6 only: 4.7's videos carry no local id (``MiniCPMV4_7Processor._prepend_local_ids`` returns them unchanged,
+#: vLLM's ``MiniCPMV4_7MultiModalProcessor._video_local_id_prefix`` is ""), so there is no index to renumber.
+MODELS = ("MiniCPM-V 4.6",)
 
 
 def _text_of(tokenizer: Any, full: Any) -> str:
@@ -59,16 +63,16 @@ def _details(tokenizer: Any, like: Any, text: str) -> Any:
     return PromptUpdateDetails.select_token_ids(ids, tokenizer.encode(video_token, add_special_tokens=False))
 
 
-def wrap_recompute_cached_prompt_update(original: Any, owner: type) -> Any:
+def wrap_recompute_cached_prompt_update(original: Any, fix: Any) -> Any:
     """``MiniCPMV4_6MultiModalProcessor._recompute_cached_prompt_update(self, cached_update: ResolvedPromptUpdate,
     new_item_idx: int) -> ResolvedPromptUpdate``: vLLM's own, then a video's ``<image_id>`` index rewritten from
-    ``cached_update.item_idx`` to ``new_item_idx`` (see the module docstring). Subclass instances get vLLM's own."""
+    ``cached_update.item_idx`` to ``new_item_idx`` (see the module docstring). Instances ``fix`` does not cover (:func:`._base.covers`) get vLLM's own."""
     sig = inspect.signature(original)
 
     @functools.wraps(original)
     def _recompute_cached_prompt_update(self: Any, *args: Any, **kwargs: Any) -> Any:
         new_update = original(self, *args, **kwargs)
-        if type(self) is not owner:
+        if not _base.covers(fix, self):
             return new_update
         a = sig.bind(self, *args, **kwargs).arguments
         cached, new_idx = a["cached_update"], int(a["new_item_idx"])
@@ -143,5 +147,5 @@ def apply(module: ModuleType) -> None:
     proc_cls = getattr(module, PROC_CLASS)
     _base.set_attributes(
         NAME,
-        [(proc_cls, "_recompute_cached_prompt_update", lambda old: wrap_recompute_cached_prompt_update(old, proc_cls))],
+        [(proc_cls, "_recompute_cached_prompt_update", lambda old: wrap_recompute_cached_prompt_update(old, sys.modules[__name__]))],
     )

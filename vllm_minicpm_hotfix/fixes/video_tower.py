@@ -35,6 +35,7 @@ The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``,
 
 from __future__ import annotations
 
+import sys
 import functools
 import types
 from types import ModuleType
@@ -44,6 +45,7 @@ from ..decision import State, Verdict
 from . import _base
 
 NAME = "video_tower"
+MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "vision tower built for video-only serving"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
@@ -63,6 +65,8 @@ def wrap_mark_tower_model(original: Any) -> Any:
 
     @functools.wraps(original)
     def _mark_tower_model(self: Any, vllm_config: Any, modalities: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _base.covers(sys.modules[__name__], self):
+            return original(self, vllm_config, modalities, *args, **kwargs)
         return original(self, vllm_config, effective_modalities(modalities), *args, **kwargs)
 
     _mark_tower_model.effective_modalities = effective_modalities  # what the probe asks of the patched class
