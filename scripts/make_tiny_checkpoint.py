@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a tiny, reproducible MiniCPM-V 4.6 checkpoint in Hugging Face format.
 
-    python scripts/make_tiny_checkpoint.py OUT_DIR [--untied] [--seed N]
+    python scripts/make_tiny_checkpoint.py OUT_DIR [--untied] [--seed N] [--member 4.7 [--scale-resolution 448]]
 
 The model is built with transformers' own classes (transformers >= 5.7: ``MiniCPMV4_6Config``,
 ``MiniCPMV4_6ForConditionalGeneration``, ``MiniCPMV4_6Processor``), so its weight names are exactly the real
@@ -18,6 +18,12 @@ special tokens, the processor's config (as written by ``MiniCPMV4_6Processor.sav
 
 Default: tied word embeddings (no ``lm_head.weight``), like the real checkpoint.  ``--untied`` writes
 ``tie_word_embeddings=False`` and an ``lm_head.weight``.
+
+``--member 4.7`` writes a MiniCPM-V 4.7 checkpoint instead (transformers >= 5.19: ``MiniCPMV4_7Config``,
+``MiniCPMV4_7ForConditionalGeneration``, ``MiniCPMV4_7Processor`` over 4.6's image and video processors, as
+transformers' auto classes pair them), same sizes and tokenizer, with the canvas M-RoPE ids (``image_start_id``,
+``image_end_id``, ``slice_start_id``, ``slice_end_id``, ``newline_id``) resolved from the tokenizer as transformers'
+conversion script does.  ``--scale-resolution`` sets the processor's (default 112; the real checkpoints' is 448).
 """
 
 from __future__ import annotations
@@ -245,8 +251,8 @@ def build_tokenizer():
 # --------------------------------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------------------------------
-def build_config(tied: bool):
-    from transformers import MiniCPMV4_6Config
+def build_config(tied: bool, member: str = "4.6", tokenizer=None):
+    import transformers
 
     text = dict(TEXT)
     text.update(
@@ -255,12 +261,22 @@ def build_config(tied: bool):
         eos_token_id=SPECIAL_ID[EOS_TOKEN],
         bos_token_id=None,
     )
-    cfg = MiniCPMV4_6Config(
+    extra = {}
+    if member == "4.7":
+        extra = dict(
+            image_start_id=SPECIAL_ID["<image>"], image_end_id=SPECIAL_ID["</image>"],
+            slice_start_id=SPECIAL_ID["<slice>"], slice_end_id=SPECIAL_ID["</slice>"],
+            newline_id=tokenizer.encode("\n", add_special_tokens=False)[0],
+        )
+    else:
+        extra = dict(drop_vision_last_layer=False)
+    tag = member.replace(".", "_")
+    cfg = getattr(transformers, f"MiniCPMV{tag}Config")(
         text_config=text,
         vision_config=dict(VISION, insert_layer_id=INSERT_LAYER_ID),
         insert_layer_id=INSERT_LAYER_ID,
         image_size=SCALE_RESOLUTION,
-        drop_vision_last_layer=False,
+        **extra,
         image_token_id=SPECIAL_ID["<|image_pad|>"],
         video_token_id=SPECIAL_ID["<|video_pad|>"],
         tie_word_embeddings=tied,
@@ -270,7 +286,7 @@ def build_config(tied: bool):
         pad_token_id=SPECIAL_ID[PAD_TOKEN],
         eos_token_id=SPECIAL_ID[EOS_TOKEN],
     )
-    cfg.architectures = ["MiniCPMV4_6ForConditionalGeneration"]
+    cfg.architectures = [f"MiniCPMV{tag}ForConditionalGeneration"]
     return cfg
 
 
@@ -326,21 +342,22 @@ def randomize_(model, seed: int) -> None:
                 p.copy_(val.to(p.dtype))
 
 
-def build_model(seed: int, tied: bool):
+def build_model(seed: int, tied: bool, member: str = "4.6", tokenizer=None):
     import torch
-    from transformers import MiniCPMV4_6ForConditionalGeneration
+    import transformers
 
     torch.manual_seed(seed)  # only affects HF's own init, which randomize_ overwrites entirely
-    cfg = build_config(tied)
-    model = MiniCPMV4_6ForConditionalGeneration(cfg).to(torch.float32).eval()
+    cfg = build_config(tied, member, tokenizer)
+    cls = getattr(transformers, f"MiniCPMV{member.replace('.', '_')}ForConditionalGeneration")
+    model = cls(cfg).to(torch.float32).eval()
     randomize_(model, seed)
     if tied:
         model.tie_weights()
     return model
 
 
-def build_processor(tokenizer):
-    from transformers import MiniCPMV4_6Processor
+def build_processor(tokenizer, member: str = "4.6", scale_resolution: int = SCALE_RESOLUTION):
+    import transformers
     from transformers.models.minicpmv4_6 import image_processing_minicpmv4_6 as ipm
 
     try:
@@ -350,7 +367,7 @@ def build_processor(tokenizer):
 
     common = dict(
         patch_size=PATCH_SIZE,
-        scale_resolution=SCALE_RESOLUTION,
+        scale_resolution=scale_resolution,
         max_slice_nums=MAX_SLICE_NUMS,
         slice_mode=True,
         downsample_mode="16x",
@@ -358,7 +375,7 @@ def build_processor(tokenizer):
     )
     image_processor = ipm.MiniCPMV4_6ImageProcessor(**common)
     video_processor = MiniCPMV4_6VideoProcessor(**common) if MiniCPMV4_6VideoProcessor else None
-    return MiniCPMV4_6Processor(
+    return getattr(transformers, f"MiniCPMV{member.replace('.', '_')}Processor")(
         image_processor=image_processor,
         video_processor=video_processor,
         tokenizer=tokenizer,
@@ -401,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--untied", action="store_true", help="tie_word_embeddings=False, write lm_head.weight")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--member", choices=("4.6", "4.7"), default="4.6", help="the MiniCPM-V family member to write")
+    ap.add_argument("--scale-resolution", type=int, default=SCALE_RESOLUTION, help="the processor's slice resolution")
     args = ap.parse_args(argv)
 
     import torch
@@ -413,10 +432,10 @@ def main(argv: list[str] | None = None) -> int:
         stale.unlink(missing_ok=True)  # a previous run's weights (e.g. untied) must not linger
 
     tokenizer = build_tokenizer()  # the processor reads the tokenizer's attributes, so build it first
-    model = build_model(args.seed, tied)
+    model = build_model(args.seed, tied, args.member, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    processor = build_processor(tokenizer)
+    processor = build_processor(tokenizer, args.member, args.scale_resolution)
     processor.save_pretrained(out)
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # same text the processor wrote; make it explicit
     _normalize_tokenizer_config(out / "tokenizer_config.json")

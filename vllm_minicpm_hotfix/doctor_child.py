@@ -113,17 +113,45 @@ def probe_fixes(names, module, pkg_parent):
     except BaseException as exc:  # noqa: BLE001 - reported, the rest of the facts still count
         out["fixes_error"] = one_line(exc)
         return out
+    try:
+        members = base.member_modules(module)
+    except BaseException:  # noqa: BLE001 - an older copy of the package without the family: 4.6 alone
+        members = {}
     for fix in registry:
         try:
             v = fix.probe(module)
             out["fixes"][fix.NAME] = {"label": fix.LABEL, "state": v.state.value, "reason": v.reason,
                                       "applicable": v.applicable, "patched": base.is_patched(fix, module),
                                       "scope": getattr(fix, "SCOPE", None),
-                                      "scope_check": getattr(fix, "SCOPE_CHECK", None)}
+                                      "scope_check": getattr(fix, "SCOPE_CHECK", None),
+                                      "models": member_probes(base, fix, module, members, v)}
         except BaseException as exc:  # noqa: BLE001 - a probe must never raise; if one does, say so
             out["fixes"][fix.NAME] = {"label": fix.LABEL, "state": "undetermined", "applicable": False,
                                       "reason": "probe failed: " + one_line(exc), "patched": False}
     return out
+
+
+def member_probes(base, fix, module, members, own_verdict):
+    """Per family member present (``members``: :func:`fixes._base.member_modules`) the fix's probe on that member's
+    classes as they now stand -- ``{member: {declared, state, reason}}`` (``own_verdict`` is the probe already run on
+    ``module``'s own member) -- plus one row per subclass no member owns (``unknown``: true). Never raises."""
+    rows = {}
+    declared = base.models_of(fix) if hasattr(base, "models_of") else ()
+    for member, view in members.items():
+        if member not in declared:
+            rows[member] = {"declared": False, "state": "n/a", "reason": f"{fix.NAME} does not declare {member}"}
+            continue
+        try:
+            v = own_verdict if view is module else fix.probe(view)
+            rows[member] = {"declared": True, "state": v.state.value, "reason": v.reason}
+        except BaseException as exc:  # noqa: BLE001
+            rows[member] = {"declared": True, "state": "undetermined", "reason": "probe failed: " + one_line(exc)}
+    try:
+        for cls_name, row in base.unknown_subclasses(fix, module).items():
+            rows[cls_name] = {"declared": False, "unknown": True, "state": "n/a", "reason": row["why"]}
+    except BaseException:  # noqa: BLE001
+        pass
+    return rows
 
 
 def vllm_process(names, pkg_parent):

@@ -43,7 +43,25 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "now": probe["state"], "now_reason": probe["reason"], "applied": applied,
             "needed": stock != "correct", "ok": probe["state"] == "correct",
             "hook_error": rec.get("error"), "why": rec.get("why"), "scope": probe.get("scope"),
-            "scope_check": probe.get("scope_check"),
+            "scope_check": probe.get("scope_check"), "models": _assess_models(probe, rec),
+        }
+    return out
+
+
+def _assess_models(probe: dict[str, Any], rec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per family member (and undeclared subclass) of one fix: ``declared``, ``unknown``, ``stock`` / ``stock_reason``
+    (the hook's per-member verdict where it recorded one, else the probe), ``now`` / ``now_reason``, ``applied``,
+    ``ok`` (declared and now correct)."""
+    out: dict[str, dict[str, Any]] = {}
+    recorded = rec.get("models") or {}
+    for member, row in (probe.get("models") or {}).items():
+        hook = recorded.get(member) or {}
+        stock = hook.get("verdict") if hook.get("verdict") not in (None, "n/a", "error") else row["state"]
+        out[member] = {
+            "declared": bool(row.get("declared")), "unknown": bool(row.get("unknown")),
+            "stock": stock, "stock_reason": hook.get("reason") or row.get("reason", ""),
+            "now": row["state"], "now_reason": row.get("reason", ""), "applied": bool(hook.get("applied")),
+            "ok": bool(row.get("declared")) and row["state"] == "correct",
         }
     return out
 

@@ -166,6 +166,27 @@ def _process_rows(child: dict[str, Any]) -> list[Row]:
     return [("vLLM process", "OK" if hook_on else "-", desc)]
 
 
+def _member_rows(name: str, f: dict[str, Any]) -> list[Row]:
+    """One row per family member other than 4.6 (the fix's own row above) and per subclass no member owns: OK where
+    the fix covers the member and its probe on that member's classes now says correct (or it does not declare a
+    member it is not needed for), WARN where a subclass is not covered or a declared member is still not correct."""
+    out = []
+    for member, m in (f.get("models") or {}).items():
+        if member == "MiniCPM-V 4.6":
+            continue
+        check = f"{name} [{member}]"
+        if m.get("unknown"):
+            out.append((check, "WARN", one_line(m["now_reason"], 300)))
+        elif not m["declared"]:
+            out.append((check, "OK", f"not covered (its instances get vLLM's own code): {one_line(m['now_reason'], 200)}"))
+        elif m["ok"]:
+            out.append((check, "OK", f"stock vLLM {m['stock']} -> PATCHED, now {m['now']}" if m["applied"]
+                        else f"not needed: {one_line(m['stock_reason'], 200)}"))
+        else:
+            out.append((check, "WARN", f"stock vLLM {m['stock']}, now {m['now']}: {one_line(m['now_reason'], 240)}"))
+    return out
+
+
 def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
     out = []
     for name, f in verdicts.items():
@@ -184,6 +205,7 @@ def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
             out.append((name, "WARN", detail + stock_reason))
         else:
             out.append((name, "FAIL", f"stock vLLM {f['stock']}, not patched: {stock_reason}"))
+        out.extend(_member_rows(name, f))
     return out
 
 

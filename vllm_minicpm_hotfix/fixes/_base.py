@@ -238,6 +238,13 @@ def patched_by(owner: Any, attr: str) -> str | None:
     return None
 
 
+def acts_for(fix: ModuleType, cls: type, attr: str) -> bool:
+    """Whether ``fix``'s value of ``attr`` runs for instances of ``cls`` and acts for them: some class of ``cls``'s MRO
+    holds ``fix``'s value (``cls`` itself, or the 4.6 class a 4.7 override reaches through ``super()``) and ``fix``
+    covers ``cls`` (:func:`covers`)."""
+    return any(patched_by(c, attr) == fix.NAME for c in getattr(cls, "__mro__", ())) and covers(fix, cls)
+
+
 def is_patched(fix: ModuleType, module: ModuleType) -> bool:
     """Whether any attribute ``fix`` sets is, in ``module``'s classes, a value ``fix`` set (this copy or another)."""
     for target in fix.SETS:

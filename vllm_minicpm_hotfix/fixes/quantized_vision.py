@@ -331,7 +331,7 @@ def probe(module: ModuleType) -> decision.Verdict:
     except Exception as exc:  # noqa: BLE001
         return decision.Verdict(decision.State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
     try:
-        if _base.patched_by(model_cls, "__init__") == NAME:
+        if _base.acts_for(sys.modules[__name__], model_cls, "__init__"):
             storage = {
                 "model.vision_tower.encoder.layers.0.mlp.fc1": ModuleStorage(
                     "model.vision_tower.encoder.layers.0.mlp.fc1", False, ("bias", "weight"), ("BF16", "BF16"),
