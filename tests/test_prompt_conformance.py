@@ -35,6 +35,8 @@ import dataclasses
 import json
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,7 +45,7 @@ import pytest
 
 import vllm_minicpm_hotfix
 import expected as table
-from conftest import TINY, hotfix, vllm_release
+from conftest import MAKE_CHECKPOINT, TINY, hotfix, vllm_release
 from vllm_minicpm_hotfix.fixes import _base, by_name
 
 #: The fixes of this part of issue 11.
@@ -113,8 +115,16 @@ STOCK = {
           "300x900 tall": "equal", "numpy 365x211": "equal", "request max_slice_nums 1": "equal",
           "video 2x56x56": "equal", "cached video": "equal"},
 }
+#: MiniCPM-V 4.7's classes on vLLM 0.32.0 / 0.33.0 (byte-identical minicpmv4_6.py and minicpmv4_7.py) against
+#: transformers' ``MiniCPMV4_7Processor``. Measured 2026-12-01.
+STOCK_V47: dict[str, str] = dict(STOCK["D"])
 #: Releases whose stock differs from their family's row.
 STOCK_EXTRA = {"0.22.1": {"video 2x56x56": "pads"}}
+
+#: MiniCPM-V 4.7 (vLLM 0.32+ with transformers >= 5.19): the environments that have it in both.
+V47_ENVS = ("0.32.0", "0.33.0")
+#: The 4.7 checkpoint as a parameter of the tests it joins, placed where vLLM and transformers have 4.7.
+REAL47 = pytest.param("real47", marks=pytest.mark.placed(*V47_ENVS))
 
 #: Per-request kwargs of the sweep (each on top of the checkpoint's processor config).
 REQUEST_KWARGS = [
@@ -196,7 +206,7 @@ def video(width: int, height: int, frames: int, seed: int = 0) -> np.ndarray:
 
 
 #: scale_resolution of each checkpoint; the seeded sizes are drawn for the real one (448) and scaled for the tiny.
-SCALE = {"tiny": 112, "real": 448}
+SCALE = {"tiny": 112, "real": 448, "real47": 448}
 
 
 def sizes_for(ckpt: str, sizes: list[tuple[str, int, int]] | None = None) -> list[tuple[str, int, int]]:
@@ -366,10 +376,33 @@ def real_geometry_copy(dest: Path) -> Path:
     return dest
 
 
+def write_v47(dest: Path) -> Path:
+    """A tiny MiniCPM-V 4.7 checkpoint written by transformers' own 4.7 classes (``scripts/make_tiny_checkpoint.py
+    --member 4.7``: ``MiniCPMV4_7ForConditionalGeneration``, ``MiniCPMV4_7Processor``) with the real geometry
+    (patch 14, ``scale_resolution`` 448, ``max_slice_nums`` 9)."""
+    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(dest), "--member", "4.7", "--scale-resolution", "448"],
+                   check=True, capture_output=True)
+    return dest
+
+
+class _Checkpoints(dict):
+    """``tiny``: the bundled checkpoint (scale_resolution 112); ``real``: a copy with the real processor geometry;
+    ``real47``: a MiniCPM-V 4.7 checkpoint (:func:`write_v47`), written on first use (only environments with 4.7)."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        super().__init__(tiny=TINY, real=real_geometry_copy(tmp_path_factory.mktemp("real-geometry") / "ckpt"))
+        self._tmp = tmp_path_factory
+
+    def __missing__(self, key: str) -> Path:
+        if key != "real47":
+            raise KeyError(key)
+        self[key] = write_v47(self._tmp.mktemp("v47") / "ckpt")
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """``tiny``: the bundled checkpoint (scale_resolution 112); ``real``: a copy with the real processor geometry."""
-    return {"tiny": TINY, "real": real_geometry_copy(tmp_path_factory.mktemp("real-geometry") / "ckpt")}
+    return _Checkpoints(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -444,7 +477,7 @@ def test_seeded_sizes():
     assert seeded_sizes() == sizes  # the same on every run and release
 
 
-@pytest.mark.parametrize("ckpt", ["tiny", "real"])
+@pytest.mark.parametrize("ckpt", ["tiny", "real", REAL47])
 def test_images_default_kwargs(m46, pairs, ckpt):
     """>= 40 seeded sizes, the checkpoint's own processor config."""
     pair = pairs(ckpt)
@@ -453,7 +486,7 @@ def test_images_default_kwargs(m46, pairs, ckpt):
         assert_all_equal(pair, cases)
 
 
-@pytest.mark.parametrize("ckpt", ["tiny", "real"])
+@pytest.mark.parametrize("ckpt", ["tiny", "real", REAL47])
 def test_images_request_kwargs(m46, pairs, ckpt):
     """Every per-request kwarg, on every fifth seeded size."""
     pair = pairs(ckpt)
@@ -463,10 +496,11 @@ def test_images_request_kwargs(m46, pairs, ckpt):
         assert_all_equal(pair, cases)
 
 
+@pytest.mark.parametrize("ckpt", ["real", REAL47])
 @pytest.mark.parametrize("model_kwargs", MODEL_KWARGS, ids=lambda kw: json.dumps(kw, sort_keys=True))
-def test_images_model_kwargs(m46, pairs, model_kwargs):
+def test_images_model_kwargs(m46, pairs, model_kwargs, ckpt):
     """Model-level kwargs (``--mm-processor-kwargs``), alone and under a per-request override."""
-    pair = pairs("real", model_kwargs)
+    pair = pairs(ckpt, model_kwargs)
     sizes = seeded_sizes()[1::5]
     override = {"slice_mode": True, "max_slice_nums": 9, "scale_resolution": 448, "use_image_id": True,
                 "downsample_mode": "16x"}
@@ -480,7 +514,7 @@ def test_images_model_kwargs(m46, pairs, model_kwargs):
 VIDEO_SIZES = [(56, 56), (700, 400), (300, 900), (20, 36)]
 
 
-@pytest.mark.parametrize("ckpt", ["tiny", "real"])
+@pytest.mark.parametrize("ckpt", ["tiny", "real", REAL47])
 def test_videos(m46, pairs, ckpt):
     """Videos of 1 and 3 frames, default and per-request kwargs."""
     pair = pairs(ckpt)
@@ -490,17 +524,19 @@ def test_videos(m46, pairs, ckpt):
         assert_all_equal(pair, cases)
 
 
+@pytest.mark.parametrize("ckpt", ["real", REAL47])
 @pytest.mark.parametrize("model_kwargs", MODEL_KWARGS, ids=lambda kw: json.dumps(kw, sort_keys=True))
-def test_videos_model_kwargs(m46, pairs, model_kwargs):
-    pair = pairs("real", model_kwargs)
+def test_videos_model_kwargs(m46, pairs, model_kwargs, ckpt):
+    pair = pairs(ckpt, model_kwargs)
     cases = [(f"{w}x{h}x2", "video", [video(w, h, 2)], {}) for w, h in VIDEO_SIZES[:2]]
     with timed("model-kwargs"), with_hotfix(m46):
         assert_all_equal(pair, cases)
 
 
-def test_several_items_and_numpy(m46, pairs):
+@pytest.mark.parametrize("ckpt", ["real", REAL47])
+def test_several_items_and_numpy(m46, pairs, ckpt):
     """Two images (``<image_id>`` 0 and 1), two videos, and images handed over as HWC arrays."""
-    pair = pairs("real")
+    pair = pairs(ckpt)
     sizes = seeded_sizes()
     cases = [
         ("two images", "image", [image(*sizes[0][1:]), image(*sizes[9][1:])], {}),
@@ -536,13 +572,13 @@ def test_cached_items(m46, pairs):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _stock_outcome(pairs, name: str) -> tuple[str, str]:
+def _stock_outcome(pairs, name: str, ckpt: str = "real") -> tuple[str, str]:
     modality, sizes, frames, model_kwargs, request_kwargs = STOCK_CASES[name]
     if modality == "video-cached":
-        pair = pairs("real", cache=True)
+        pair = pairs(ckpt, cache=True)
         got, want = _cached_prompts(pair)
         return classify(pair.tokenizer, got, want), f"\n    vLLM: {summary(pair.tokenizer, got)}"
-    pair = pairs("real", model_kwargs)
+    pair = pairs(ckpt, model_kwargs)
     if modality == "video":
         return compare(pair, "video", [video(w, h, frames) for w, h in sizes], request_kwargs)
     items = [image(w, h) for w, h in sizes]
@@ -551,16 +587,18 @@ def _stock_outcome(pairs, name: str) -> tuple[str, str]:
     return compare(pair, "image", items, request_kwargs)
 
 
-def test_stock_defects(m46, pairs, family):
-    """Stock vLLM (placeholder fixes off) differs from transformers exactly as :data:`STOCK` says for this family;
-    the same cases with the hotfix are equal."""
+@pytest.mark.parametrize("ckpt", ["real", REAL47])
+def test_stock_defects(m46, pairs, family, ckpt):
+    """Stock vLLM (placeholder fixes off) differs from transformers exactly as :data:`STOCK` (4.6) /
+    :data:`STOCK_V47` (4.7's classes against ``MiniCPMV4_7Processor``) says for this family; the same cases with the
+    hotfix are equal."""
     release = vllm_release()
-    expected = {**STOCK[family], **STOCK_EXTRA.get(release, {})}
+    expected = STOCK_V47 if ckpt == "real47" else {**STOCK[family], **STOCK_EXTRA.get(release, {})}
     assert set(expected) == set(STOCK_CASES)
     seen, details = {}, {}
     with timed("stock"), stock(m46):
         for name in STOCK_CASES:
-            seen[name], details[name] = _stock_outcome(pairs, name)
+            seen[name], details[name] = _stock_outcome(pairs, name, ckpt)
     print(f"\nstock vLLM {release}: " + json.dumps(seen, indent=1))
     wrong = {k: (seen[k], expected[k]) for k in STOCK_CASES if seen[k] != expected[k]}
     assert not wrong, "stock outcome (seen, pinned) differs: " + "; ".join(
@@ -568,7 +606,7 @@ def test_stock_defects(m46, pairs, family):
     )
     assert any(v != "equal" for v in seen.values())  # every release has stock defects this module shows
     with timed("stock"), with_hotfix(m46):
-        fixed = {name: _stock_outcome(pairs, name) for name in STOCK_CASES}
+        fixed = {name: _stock_outcome(pairs, name, ckpt) for name in STOCK_CASES}
     assert all(o == "equal" for o, _ in fixed.values()), {k: v for k, v in fixed.items() if v[0] != "equal"}
 
 

@@ -129,7 +129,9 @@ def probe(module: ModuleType) -> Verdict:
         return Verdict(State.UNDETERMINED, f"probe could not run {MODEL_CLASS}.__init__ to its vision tower: "
                                            f"{type(exc).__name__}: {exc}")
     # The stand-in stops at the call vLLM's __init__ makes; a wrapper on the class (this fix) says what it marks.
-    transform = getattr(cls._mark_tower_model, "effective_modalities", None)
+    # The wrapper acts only for the classes the fix covers.
+    transform = getattr(cls._mark_tower_model, "effective_modalities", None) if _base.covers(
+        sys.modules[__name__], cls) else None
     marked = _as_set(transform(asked)) if callable(transform) else asked
     try:
         supported = set(info_cls.get_supported_mm_limits(object.__new__(info_cls)))

@@ -1,0 +1,203 @@
+"""The model family: every fix acts for exactly the members it declares (``MODELS``), and says plainly what it does
+not cover.
+
+* **Wrappers hand undeclared classes to vLLM.** For every fix and every attribute it sets on a class of vLLM's 4.6
+  module: a recording stand-in is put in place of vLLM's value, the fix applied over it, and the class attribute
+  called for an instance of (a) the "4.8" subclasses of :mod:`family_subclass` (a real subclass registered with
+  vLLM's ``ModelRegistry`` and ``MULTIMODAL_REGISTRY`` as vLLM registers a model, in a module no member owns) and
+  (b) where vLLM has it, MiniCPM-V 4.7's own class for a fix that does not declare 4.7. The stand-in must receive
+  exactly the call's arguments and its result must come back unchanged: a wrapper that acts (changes an argument,
+  replaces or edits the result, raises) fails here. The same call for a declared member's instance must reach the
+  fix's own code (the check would otherwise prove nothing): at least one wrapper per fix changes something there.
+* **Status and doctor say so.** After the hook (``_base.run``) each fix that reaches the 4.8 classes through
+  inheritance has a ``models`` row for each of them (``unknown``, not applied, the reason naming the class), and
+  doctor's renderer shows it as WARN; the family members present have their own rows (``declared``, verdict).
+
+Placement: every environment (no engine, no checkpoint; < 2 s after ``import vllm``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import vllm_minicpm_hotfix
+from conftest import hotfix
+from vllm_minicpm_hotfix.fixes import REGISTRY, _base
+
+
+class _Call:
+    """A stand-in for vLLM's value of one attribute: records each call and returns a fresh sentinel."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.calls = name, []
+
+    def make(self):
+        rec = self
+
+        def stand_in(*args, **kwargs):
+            out = object()
+            rec.calls.append((args, kwargs, out))
+            return out
+
+        stand_in.__name__ = self.name
+        return stand_in
+
+
+def _class_targets(fix, m46):
+    """``(owner class, attr)`` of each of ``fix``'s SETS that is a class of vLLM's 4.6 module."""
+    out = []
+    for target in fix.SETS:
+        found = _base.resolve(m46, target)
+        if found is not None and isinstance(found[0], type) and found[0].__module__ == m46.__name__:
+            out.append(found)
+    return out
+
+
+def _sentinels(fn):
+    """Sentinel arguments for vLLM's ``fn`` (its required parameters after ``self``: positional ones by position,
+    keyword-only ones by name)."""
+    import inspect
+
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    args = tuple(object() for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                 and p.default is p.empty)
+    kwargs = {p.name: object() for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    return args, kwargs
+
+
+def _instance(cls):
+    return cls.__new__(cls)
+
+
+def _call_through(fix, m46, owner, attr, cls):
+    """Apply ``fix`` over a recording stand-in of ``owner.attr`` and call ``cls``'s attribute for an instance of
+    ``cls`` with sentinel arguments: ``(recorded calls, args, kwargs, result or exception)``."""
+    rec = _Call(attr)
+    before = owner.__dict__.get(attr, _base._MISSING)
+    vllms = getattr(owner, attr)
+    setattr(owner, attr, rec.make())
+    try:
+        fix.apply(m46)
+        try:
+            obj = _instance(cls)
+            args, kwargs = _sentinels(vllms)
+            try:
+                got = getattr(cls, attr)(obj, *args, **kwargs)
+            except Exception as exc:  # a wrapper that acts may raise on the sentinels: that is acting
+                got = exc
+            return rec.calls, (obj, *args), kwargs, got
+        finally:
+            _base.revert_fix(fix.NAME)
+    finally:
+        if before is _base._MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, before)
+
+
+def _undeclared(m46):
+    """``(fix, owner, attr, class)`` for every attribute a fix sets and every class that reaches it and that the fix
+    does not declare: the "4.8" subclasses, and 4.7's where the fix does not declare 4.7."""
+    import family_subclass
+
+    m47 = _base._import_member("vllm.model_executor.models.minicpmv4_7")
+    out = []
+    for fix in REGISTRY:
+        for owner, attr in _class_targets(fix, m46):
+            sub = family_subclass.SUBCLASSES.get(owner)
+            if sub is not None:
+                out.append((fix, owner, attr, sub))
+            if m47 is not None and "MiniCPM-V 4.7" not in _base.models_of(fix):
+                sub47 = getattr(m47, owner.__name__.replace("4_6", "4_7"), None)
+                if isinstance(sub47, type) and issubclass(sub47, owner):
+                    out.append((fix, owner, attr, sub47))
+    return out
+
+
+def test_wrappers_hand_undeclared_classes_to_vllm(m46):
+    cases = _undeclared(m46)
+    assert {fix.NAME for fix, *_ in cases} >= {
+        "qkv_loader", "qkv_completeness_guard", "mm_placeholders", "video_image_id_cache", "encoder_modes",
+        "video_tower", "video_budget", "placeholder_guard", "quantized_vision",
+    }  # every fix with a wrapper on a model, processing-info or processor class
+    acted = []
+    for fix, owner, attr, cls in cases:
+        calls, args, kwargs, got = _call_through(fix, m46, owner, attr, cls)
+        ok = len(calls) == 1 and calls[0][0] == args and calls[0][1] == kwargs and (
+            got is calls[0][2] or (attr == "__init__" and got is None))
+        if not ok:
+            acted.append(f"{fix.NAME}: {owner.__name__}.{attr} acted for {_base.class_name(cls)} "
+                         f"(calls {len(calls)}, result {got!r})")
+    assert not acted, "\n".join(acted)
+
+
+def _view48(m46):
+    """vLLM's 4.6 module with its classes replaced by the "4.8" subclasses (what a probe then judges)."""
+    from types import ModuleType
+
+    import family_subclass as fs
+
+    view = ModuleType(fs.__name__)
+    view.__dict__.update({k: v for k, v in vars(m46).items() if not k.startswith("__")})
+    for base, sub in fs.SUBCLASSES.items():
+        setattr(view, base.__name__, sub)
+    return view
+
+
+def test_undeclared_subclass_behaves_as_stock(m46):
+    """Each fix's probe -- its behavioural test of the installed code -- run on the "4.8" classes gives the same
+    verdict with every fix applied (``force``) as on stock vLLM, while on the 4.6 classes the applied fixes answer
+    correct: the fixes changed 4.6's behaviour and left the undeclared subclass's alone. Where this vLLM is broken
+    for a fix (on 0.32.0: mm_placeholders, video_tower, video_budget, placeholder_guard, quantized_vision,
+    qkv_completeness_guard) a wrapper acting for 4.8 would turn its verdict to correct."""
+    view = _view48(m46)
+    classed = [fix for fix in REGISTRY if _class_targets(fix, m46)]  # not unsupported_quant_method (vllm.config)
+    stock = {fix.NAME: fix.probe(view).state.value for fix in classed}
+    with hotfix(m46, "force", fixes=None) as statuses:
+        now = {fix.NAME: fix.probe(view).state.value for fix in classed}
+        own = {fix.NAME: fix.probe(m46).state.value for fix in REGISTRY if statuses[fix.NAME].applied}
+    assert now == stock, {k: (stock[k], now[k]) for k in stock if stock[k] != now[k]}
+    assert set(own.values()) == {"correct"}, own
+    assert "broken" in stock.values()  # this environment shows at least one fix whose stock verdict a wrapper flips
+
+
+def test_status_and_doctor_name_undeclared_subclasses(m46):
+    import family_subclass  # noqa: F401 - defines and registers the "4.8" classes
+
+    from vllm_minicpm_hotfix import doctor_judge, doctor_render
+
+    with hotfix(m46, "force", fixes=None):
+        fixes = vllm_minicpm_hotfix.status()["fixes"]
+    import family_subclass as fs
+
+    reached = set()
+    for fix in REGISTRY:
+        want = {_base.class_name(fs.SUBCLASSES[o]) for o, _ in _class_targets(fix, m46) if o in fs.SUBCLASSES}
+        if not want:
+            continue
+        reached.add(fix.NAME)
+        rows = fixes[fix.NAME]["models"]
+        unknown = {k: r for k, r in rows.items() if r.get("unknown")}
+        assert set(unknown) >= want, (fix.NAME, rows)
+        for cls_name in want:
+            row = unknown[cls_name]
+            assert row["applied"] is False and row["declared"] is False, row
+            assert cls_name in row["why"] and "does not cover it" in row["why"], row
+        assert rows["MiniCPM-V 4.6"]["declared"] is True, rows
+    present = _base.member_modules(m46)
+    for fix in REGISTRY:
+        rows = fixes[fix.NAME]["models"]
+        for member in present:
+            assert rows[member]["declared"] is (member in _base.models_of(fix)), (fix.NAME, member, rows[member])
+
+    # doctor, from what its child process reports (the same functions it runs there)
+    from vllm_minicpm_hotfix import doctor_child
+
+    child = {"status": {"fixes": fixes}}
+    child.update(doctor_child.probe_fixes({"package": "vllm_minicpm_hotfix"}, m46, ""))
+    verdicts = doctor_judge.assess_fixes(child)
+    rows = doctor_render._fix_rows(verdicts)
+    warn = [r for r in rows if r[1] == "WARN" and "family_subclass.MiniCPMV4_8" in r[2]]
+    assert {r[0].split(" [")[0] for r in warn} == reached, rows
