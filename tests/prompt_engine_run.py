@@ -4,8 +4,9 @@ token ids vLLM built for each request as one JSON line.
     python tests/prompt_engine_run.py SPEC.json
 
 ``SPEC.json``: ``{"checkpoint": DIR, "requests": [{"name", "modality": "image"|"video", "sizes": [[w, h], ...],
-"frames": N, "kwargs": {...}}, ...], "revert": [fix NAME, ...]}``; ``revert`` (optional, for showing stock vLLM on an
-engine by hand) undoes those fixes right after the hook applied them. Run by tests/test_prompt_engine.py in a fresh interpreter of the test
+"frames": N, "kwargs": {...}}, ...], "revert": [fix NAME, ...], "limits": {...}}``; ``revert`` (optional, for showing
+stock vLLM on an engine) undoes those fixes right after the hook applied them; ``limits`` (optional) is the engine's
+``limit_mm_per_prompt`` (default ``{"image": 2, "video": 1}``). Run by tests/test_prompt_engine.py in a fresh interpreter of the test
 environment; the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the post-import hook
 installed here covers the API-side processor and the model alike. Each request is generated on its own (greedy, one
 token); a request that fails is recorded with its error and the next one still runs.
@@ -45,7 +46,7 @@ def make_llm(spec: dict, LLM: type):
         max_model_len=2048,  # the real geometry: up to ~700 tokens per image or video
         gpu_memory_utilization=0.1,  # CPU: the KV cache comes from VLLM_CPU_KVCACHE_SPACE
         mamba_ssm_cache_dtype="float32",
-        limit_mm_per_prompt={"image": 2, "video": 1},
+        limit_mm_per_prompt=spec.get("limits") or {"image": 2, "video": 1},
         max_num_seqs=2,
         seed=0,
     )

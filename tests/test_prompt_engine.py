@@ -24,7 +24,8 @@ import pytest
 
 from conftest import REPO, vllm_release
 import expected as table
-from test_prompt_conformance import MINE, PROMPT, image, real_geometry_copy, video
+from test_prompt_conformance import MINE, PROMPT, V47_ENVS, image, real_geometry_copy, video, write_v47
+from vllm_minicpm_hotfix.fixes import REGISTRY
 
 #: One release per family (A B C D). Tell scripts/test / .ci/run to run this module there.
 ENGINE_RELEASES = ("0.23.0", "0.24.0", "0.28.0", "0.32.0")
@@ -48,21 +49,34 @@ REQUESTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+#: MiniCPM-V 4.7's engine runs only where vLLM can start one on CPU with 4.7 (0.33.0's environment is the CUDA wheel).
+V47_ENGINE = tuple(r for r in V47_ENVS if r == "0.32.0")
+
+
+@pytest.fixture(scope="module", params=["4.6", pytest.param("4.7", marks=pytest.mark.placed(*V47_ENGINE))])
+def checkpoint(request, tmp_path_factory) -> Path:
+    """The real-geometry 4.6 checkpoint, or the 4.7 one transformers writes (``MiniCPMV4_7ForConditionalGeneration``)."""
+    if request.param == "4.7":
+        return write_v47(tmp_path_factory.mktemp("engine47") / "ckpt")
     return real_geometry_copy(tmp_path_factory.mktemp("engine") / "ckpt")
 
 
 @pytest.fixture(scope="module")
-def engine_run(checkpoint, tmp_path_factory) -> dict:
-    """The one engine of this module: every request of :data:`REQUESTS`, in a fresh interpreter."""
+def v47(tmp_path_factory) -> Path:
+    return write_v47(tmp_path_factory.mktemp("engine47-extra") / "ckpt")
+
+
+def run_engine(checkpoint: Path, tmp_path_factory, names, **extra) -> dict:
+    """One engine in a fresh interpreter (tests/prompt_engine_run.py) serving the requests ``names`` of
+    :data:`REQUESTS`; ``extra``: ``revert`` / ``limits`` of its spec."""
     spec = tmp_path_factory.mktemp("engine-spec") / "spec.json"
     spec.write_text(json.dumps({
         "checkpoint": str(checkpoint),
         "requests": [
             {"name": name, "modality": m, "sizes": sizes, "frames": frames, "kwargs": kwargs}
-            for name, (m, sizes, frames, kwargs) in REQUESTS.items()
+            for name, (m, sizes, frames, kwargs) in ((n, REQUESTS[n]) for n in names)
         ],
+        **extra,
     }))
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MINICPM_HOTFIX")}
     # The repository as a PYTHONPATH bundle (its sitecustomize.py): every process vLLM spawns (0.22's CPU worker)
@@ -77,8 +91,15 @@ def engine_run(checkpoint, tmp_path_factory) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"engine run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    print(f"\nvLLM {vllm_release()}: engine run (import, start, {len(REQUESTS)} requests) {wall:.0f} s")
+    print(f"\nvLLM {vllm_release()}: engine run of {checkpoint.parent.name} (import, start, {len(names)} requests, "
+          f"{extra or 'hotfix'}) {wall:.0f} s")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def engine_run(checkpoint, tmp_path_factory) -> dict:
+    """The one engine of this module per model: every request of :data:`REQUESTS`, in a fresh interpreter."""
+    return run_engine(checkpoint, tmp_path_factory, list(REQUESTS))
 
 
 def transformers_ids(checkpoint: Path, name: str) -> list[int]:
@@ -96,13 +117,17 @@ def transformers_ids(checkpoint: Path, name: str) -> list[int]:
 
 
 def test_engine_fixes_applied(engine_run, environment):
-    """In the engine's process the hook applied exactly the prompt fixes whose probes find vLLM broken here."""
+    """In the engine's process the hook applied exactly the prompt fixes whose probes find vLLM broken here, and
+    (where vLLM has 4.7) for 4.7 exactly where the fix declares 4.7 and its probe on 4.7's classes finds them broken."""
     status = engine_run["status"]
     for name in MINE:
         verdict = table.verdict(name, environment)
         assert status[name]["verdict"] == verdict, status[name]
         assert status[name]["applied"] is (verdict == "broken"), status[name]
         assert status[name]["error"] is None, status[name]
+        row = status[name]["models"].get("MiniCPM-V 4.7")
+        if row is not None:
+            assert row["applied"] is (row["declared"] and row["verdict"] == "broken"), row
 
 
 @pytest.mark.parametrize("name", list(REQUESTS))
@@ -111,3 +136,33 @@ def test_engine_prompt_equals_transformers(engine_run, checkpoint, name):
     got = engine_run["results"][name]
     assert "error" not in got, got
     assert got["prompt_token_ids"] == transformers_ids(checkpoint, name)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# MiniCPM-V 4.7 on 0.32.0: stock dies where the hotfix answers; video-only serving
+# --------------------------------------------------------------------------------------------------------------------
+
+#: The request that kills stock 0.32.0's 4.7 engine (63 embeddings for 119 placeholders at 640x480; 449x448 here).
+KILLER = "slice_mode false"
+
+
+@pytest.mark.placed(*V47_ENGINE)
+def test_v47_stock_engine_dies_on_the_request_the_hotfix_answers(v47, tmp_path_factory):
+    """Stock vLLM (every fix reverted right after the hook) on the 4.7 checkpoint: the per-request ``slice_mode:
+    false`` image fails inside the engine with vLLM's placeholder-count error; the hotfix's engine answers it with
+    transformers' prompt (:func:`test_engine_prompt_equals_transformers`)."""
+    run = run_engine(v47, tmp_path_factory, [KILLER], revert=[f.NAME for f in REGISTRY])
+    got = run["results"][KILLER]
+    assert "error" in got, got
+    assert "multimodal tokens to" in got["error"] and "placeholders" in got["error"], got["error"]
+
+
+@pytest.mark.placed(*V47_ENGINE)
+def test_v47_video_only_engine(v47, tmp_path_factory):
+    """4.7 served with ``limit_mm_per_prompt={"image": 0, "video": 1}`` (stock: the tower stays on the meta device
+    and the first video dies): the video is answered with transformers' prompt."""
+    run = run_engine(v47, tmp_path_factory, ["video 2x56"], limits={"image": 0, "video": 1})
+    assert run["status"]["video_tower"]["models"]["MiniCPM-V 4.7"]["applied"] is True, run["status"]["video_tower"]
+    got = run["results"]["video 2x56"]
+    assert "error" not in got, got
+    assert got["prompt_token_ids"] == transformers_ids(v47, "video 2x56")
