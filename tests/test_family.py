@@ -201,3 +201,96 @@ def test_status_and_doctor_name_undeclared_subclasses(m46):
     rows = doctor_render._fix_rows(verdicts)
     warn = [r for r in rows if r[1] == "WARN" and "family_subclass.MiniCPMV4_8" in r[2]]
     assert {r[0].split(" [")[0] for r in warn} == reached, rows
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# MiniCPM-V 4.7 (vLLM 0.32+ with transformers >= 5.19): canvas M-RoPE positions, the frame budget
+# --------------------------------------------------------------------------------------------------------------------
+
+from test_prompt_conformance import PROMPT, V47_ENVS, image, make_pair, vllm_ids, with_hotfix, write_v47  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def v47(tmp_path_factory):
+    return write_v47(tmp_path_factory.mktemp("v47") / "ckpt")
+
+
+#: (width, height, request kwargs): sliced, wide, tall, and two of the requests whose prompts stock gets wrong.
+MROPE_CASES = [(449, 448, {}), (640, 480, {}), (300, 900, {}), (640, 480, {"slice_mode": False}),
+               (448, 448, {"scale_resolution": 224}), (300, 200, {"use_image_id": False})]
+
+
+def _vllm_canvas_model(config):
+    """vLLM's ``MiniCPMV4_7ForConditionalGeneration`` with only what ``get_mrope_input_positions`` reads, set by its
+    own ``_init_canvas_mrope`` from ``config`` (the checkpoint's); created without ``__init__`` (no weights)."""
+    from torch import nn
+    from vllm.model_executor.models import minicpmv4_7 as m47
+
+    model = m47.MiniCPMV4_7ForConditionalGeneration.__new__(m47.MiniCPMV4_7ForConditionalGeneration)
+    nn.Module.__init__(model)
+    model.config = config
+    model._init_canvas_mrope(None)  # returns before its tokenizer fallback: the config carries every id
+    return model
+
+
+@pytest.mark.placed(*V47_ENVS)
+def test_v47_mrope_positions_equal_transformers(m46, v47):
+    """For the prompt the hotfix builds (equal to transformers'), vLLM's canvas ``get_mrope_input_positions`` -- fed
+    the item's ``tgt_sizes`` as its engine feeds them -- equals transformers' ``MiniCPMV4_7Model.get_rope_index``,
+    position for position (``[T, H, W]``).
+
+    vLLM turns canvas M-RoPE on only when the config says ``uses_mrope_canvas`` or a ``mrope_mode`` containing
+    "canvas"; transformers' ``MiniCPMV4_7Config`` has neither field and its model always lays out the canvas. So a
+    checkpoint written by ``save_pretrained`` is served with sequential positions (pinned below: a defect of vLLM's,
+    outside what the hotfix changes); the comparison turns the canvas on as such a config field would."""
+    import types
+
+    import torch
+    from transformers import MiniCPMV4_7ForConditionalGeneration
+
+    pair = make_pair(v47, {})
+    hf = pair.hf
+    reference = MiniCPMV4_7ForConditionalGeneration.from_pretrained(str(v47)).model
+    config = reference.config
+    model = _vllm_canvas_model(config)
+    assert model._uses_canvas_mrope is False  # as vLLM builds it from this checkpoint (see the docstring)
+    model._uses_canvas_mrope = True
+    model._canvas_special_ids = {"im_start_id": config.image_start_id, "im_end_id": config.image_end_id,
+                                 "slice_start_id": config.slice_start_id, "slice_end_id": config.slice_end_id,
+                                 "newline_id": config.newline_id}
+    misses = []
+    with with_hotfix(m46):
+        for w, h, kw in MROPE_CASES:
+            img = image(w, h)
+            out = hf(text=[PROMPT.format(mm=hf.image_token)], images=[img], **kw)
+            ids = vllm_ids(pair, "image", [img], kw)
+            assert ids == out["input_ids"][0].tolist(), (w, h, kw)
+            want, _ = reference.get_rope_index(out["input_ids"], mm_token_type_ids=out["mm_token_type_ids"],
+                                               target_sizes=out["target_sizes"])
+            feature = types.SimpleNamespace(
+                data={"tgt_sizes": types.SimpleNamespace(data=torch.as_tensor(out["target_sizes"]))},
+                mm_position=types.SimpleNamespace(offset=ids.index(config.image_start_id)),
+            )
+            got, _ = model.get_mrope_input_positions(ids, [feature])
+            if not torch.equal(got, want[:, 0, :]):
+                misses.append(f"{w}x{h} {kw}: {int((got != want[:, 0, :]).sum())} positions differ")
+            seq = torch.arange(len(ids)).unsqueeze(0).expand(3, -1)
+            assert not torch.equal(want[:, 0, :], seq), "the canvas of an image is not sequential positions"
+    assert not misses, misses
+
+
+@pytest.mark.placed(*V47_ENVS)
+def test_v47_frame_budget(m46, v47):
+    """The frames per video 4.7's processing info budgets for equal what vLLM's video loader samples (32, from
+    ``VideoMediaIO``): stock vLLM budgets 16."""
+    from vllm_minicpm_hotfix.fixes import video_budget
+
+    def budget():
+        info = make_pair(v47, {}).vllm.info
+        assert _base.model_of(info) == "MiniCPM-V 4.7", type(info)
+        return info.get_num_frames_with_most_features(2048 * 8, {"video": 1}), video_budget.loader_frames(info)
+
+    stock_frames, loader = budget()
+    with hotfix(m46, "auto", fixes=("video_budget",)):
+        fixed, _ = budget()
+    assert (stock_frames, loader, fixed) == (16, 32, 32)
