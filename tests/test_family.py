@@ -294,3 +294,17 @@ def test_v47_frame_budget(m46, v47):
     with hotfix(m46, "auto", fixes=("video_budget",)):
         fixed, _ = budget()
     assert (stock_frames, loader, fixed) == (16, 32, 32)
+
+
+@pytest.mark.placed(*V47_ENVS)
+def test_v47_refusal_names_the_served_model(m46, v47):
+    """With the prompt fix left out, the stock-killing 4.7 request (``slice_mode: false`` on 449x448) reaches
+    ``placeholder_guard``, whose refusal names the model actually served: "MiniCPM-V 4.7", not 4.6."""
+    from vllm_minicpm_hotfix.fixes import names
+    from vllm_minicpm_hotfix.fixes.placeholder_guard import PlaceholderMismatchError
+
+    pair = make_pair(v47, {})
+    with hotfix(m46, "auto", fixes=tuple(n for n in names() if n != "mm_placeholders")):
+        with pytest.raises(PlaceholderMismatchError) as err:
+            vllm_ids(pair, "image", [image(449, 448)], {"slice_mode": False})
+    assert str(err.value).startswith("MiniCPM-V 4.7: image item 0 of this request has "), str(err.value)

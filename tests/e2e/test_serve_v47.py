@@ -1,0 +1,83 @@
+"""MiniCPM-V 4.7 through real ``vllm serve`` with the hotfix pip-installed: the requests stock vLLM kills are answered
+``200`` with transformers' own prompt.
+
+One server of the tiny 4.7 checkpoint transformers writes (``scripts/make_tiny_checkpoint.py --member 4.7``: patch
+14, ``scale_resolution`` 448), on 0.32.0 (the release of the run where vLLM has 4.7 and an engine starts on CPU;
+0.33.0's environment is the CUDA wheel). Requests go through the OpenAI chat API with ``return_token_ids``; the
+reference is ``AutoProcessor`` (``MiniCPMV4_7Processor``) of the same folder on the prompt text the checkpoint's chat
+template renders, with the same image and kwargs:
+
+* ``{"slice_mode": false}`` on 449x448: stock vLLM's engine dies on it (``Attempted to assign N = N multimodal tokens
+  to M placeholders``: tests/test_prompt_engine.py's stock 4.7 engine);
+* ``{"scale_resolution": 224}`` on 448x448: stock served it with 64 placeholders for 80 embeddings (surplus dropped);
+* ``{"use_image_id": false}``: stock keeps ``<image_id>0</image_id>``;
+* then a plain request, and ``/health``: the server is alive.
+
+Placed on 0.32.0 only: one server (~2-3 min on the CI machine).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from e2e import clean_env
+from e2e.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
+from e2e.test_engine_serve import SERVE_ARGS
+from test_prompt_conformance import image, write_v47
+
+RELEASES = ("0.32.0",)
+pytestmark = pytest.mark.placed(*RELEASES)
+
+#: name -> ((width, height), mm_processor_kwargs)
+REQUESTS = {
+    "slice_mode false": ((449, 448), {"slice_mode": False}),
+    "scale_resolution 224": ((448, 448), {"scale_resolution": 224}),
+    "use_image_id false": ((300, 200), {"use_image_id": False}),
+    "plain": ((640, 480), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def v47(tmp_path_factory):
+    return write_v47(tmp_path_factory.mktemp("serve47") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def server(pip_env, v47, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve47-run")
+    with serving(pip_env, clean_env(PYTHONPATH=""), tmp, "hotfix47", SERVE_ARGS, model=v47) as srv:
+        assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
+        print(f"\n4.7 server healthy after {time.monotonic() - srv.started_at:.0f} s")
+        yield srv
+
+
+def transformers_ids(checkpoint, img, kwargs: dict, text: str) -> list[int]:
+    from transformers import AutoProcessor
+
+    hf = AutoProcessor.from_pretrained(str(checkpoint))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    prompt = hf.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return hf(text=[prompt], images=[img], **kwargs)["input_ids"][0].tolist()
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_v47_request_answered_with_transformers_prompt(server, v47, name):
+    (w, h), kwargs = REQUESTS[name]
+    img = image(w, h)
+    body = chat_body(server, img, mm_processor_kwargs=kwargs or None)
+    body["return_token_ids"] = True
+    status, reply = post(server, "/v1/chat/completions", body)
+    assert status == 200, f"HTTP {status}: {json.dumps(reply)[:2000]}\nlog tail:\n{server.log()[-6000:]}"
+    text = body["messages"][0]["content"][1]["text"]
+    assert reply["prompt_token_ids"] == transformers_ids(v47, img, kwargs, text)
+    assert healthy(server)
+    print(f"\n4.7 {name}: HTTP 200, {reply['usage']}")
+
+
+def test_v47_log_names_the_model(server):
+    log = server.log()
+    assert "MiniCPM-V 4.6 and MiniCPM-V 4.7 image/video placeholder text" in log, log[-4000:]
