@@ -85,12 +85,32 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+#: Where vLLM builds MiniCPM-V 4.7 (and its model on CPU): the 4.7 source checkpoint joins the layouts there.
+V47_RELEASES = ("0.32.0",)
+
+
+@pytest.fixture(scope="session", params=["4.6", pytest.param("4.7", marks=pytest.mark.placed(*V47_RELEASES))])
+def source(request, tmp_path_factory) -> Path:
+    """The float checkpoint the layouts are written from: the bundled 4.6 one, or the tiny 4.7 one transformers
+    writes (``scripts/make_tiny_checkpoint.py --member 4.7``, same sizes and names)."""
+    if request.param == "4.6":
+        return TINY
+    import subprocess
+    import sys
+
+    from conftest import MAKE_CHECKPOINT
+
+    out = tmp_path_factory.mktemp("tiny-v47") / "ckpt"
+    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(out), "--member", "4.7"], check=True, capture_output=True)
+    return out
+
+
 @pytest.fixture(scope="session")
-def written(tmp_path_factory) -> dict[str, Path]:
+def written(source, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quantized")
     out = {}
     for name, spec in LAYOUTS.items():
-        qc.write_checkpoint(TINY, root / name, **spec)
+        qc.write_checkpoint(source, root / name, **spec)
         out[name] = root / name
     return out
 
@@ -110,8 +130,25 @@ def hotfixed(m46, mode: str = "auto"):
         yield status
 
 
+def json_arch(ckpt: Path) -> str:
+    import json
+
+    return json.loads((Path(ckpt) / "config.json").read_text())["architectures"][0]
+
+
+def model_class(ckpt: Path):
+    """vLLM's model class for the checkpoint's architecture: ``MiniCPMV4_6ForConditionalGeneration`` in
+    ``minicpmv4_6.py``, ``MiniCPMV4_7ForConditionalGeneration`` in ``minicpmv4_7.py`` (where vLLM registers them)."""
+    import importlib
+
+    arch = json_arch(ckpt)
+    tag = arch.removeprefix("MiniCPMV").split("For")[0].lower()  # "4_6" / "4_7"
+    return getattr(importlib.import_module(f"vllm.model_executor.models.minicpmv{tag}"), arch)
+
+
 def build_and_load(ckpt: Path):
-    model = build_vllm_model(ckpt, dtype=DTYPE, load=False)
+    model = build_vllm_model(ckpt, dtype=DTYPE, load=False, model_cls=model_class(ckpt))
+    assert type(model).__name__ == json_arch(ckpt), type(model)
     load_checkpoint(model, ckpt)
     return model
 
@@ -206,7 +243,7 @@ def test_stock(m46, written, stock, layout):
     stage, text = want
     model = None
     with pytest.raises(Exception) as info:
-        model = build_vllm_model(written[layout], dtype=DTYPE, load=False)
+        model = build_vllm_model(written[layout], dtype=DTYPE, load=False, model_cls=model_class(written[layout]))
         if stage == "build":
             pytest.fail("stock vLLM built the model")  # never reached where the table is right
         load_checkpoint(model, written[layout])
