@@ -102,6 +102,26 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
     },
 }
 
+#: The family members other than 4.6 -> the environments that have them (vLLM defines their classes and transformers
+#: their processor) -> fix NAME -> the verdict of the fix's probe on that member's *own* classes on stock vLLM (what
+#: ``status()["fixes"][NAME]["models"][member]["verdict"]`` records), or "n/a" where the fix does not declare the
+#: member. MiniCPM-V 4.7 on 0.32.0 / 0.33.0: measured equal to 4.6's verdict for every fix that declares it (4.7
+#: inherits every method the fixes set; its overrides call super()).
+MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
+    "MiniCPM-V 4.7": {
+        env: {fix: ("n/a" if fix == "video_image_id_cache" else block[env]) for fix, block in VERDICTS.items()}
+        for env in (("0.32.0", "5.19.0"), ("0.33.0", "5.20.2"))
+    },
+}
+
+
+def member_verdicts(member: str, env: tuple[str, str]) -> dict[str, str] | None:
+    """The pinned stock verdicts of every fix on ``member``'s classes in ``env`` (None: the member is absent there)."""
+    if env not in ENVIRONMENTS:
+        raise UnknownEnvironment(f"vLLM {env[0]} with transformers {env[1]} is not an environment of tests/expected.py")
+    return MEMBER_VERDICTS[member].get(env)
+
+
 #: vLLM release -> the error stock vLLM raises loading a 4.6 checkpoint (None: it loads).
 STOCK_LOAD_ERROR: dict[str, str | None] = {
     "0.22.1": None,

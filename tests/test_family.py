@@ -163,6 +163,28 @@ def test_undeclared_subclass_behaves_as_stock(m46):
     assert "broken" in stock.values()  # this environment shows at least one fix whose stock verdict a wrapper flips
 
 
+def test_member_verdicts_are_pinned(m46, environment):
+    """Under ``auto`` the hook probes every family member present here on its own classes: ``status()`` records per
+    member the stock verdict tests/expected.py pins (4.7 only where vLLM and transformers have it), applies each fix
+    exactly for the declared members whose verdict is broken, and the patched member's re-probe answers correct."""
+    import expected as table
+
+    present = set(_base.member_modules(m46))
+    pinned = {m: table.member_verdicts(m, environment) for m in table.MEMBER_VERDICTS}
+    assert present - {"MiniCPM-V 4.6"} == {m for m, v in pinned.items() if v is not None}, (present, pinned)
+    with hotfix(m46, "auto", fixes=None):
+        fixes = vllm_minicpm_hotfix.status()["fixes"]
+        views = _base.member_modules(m46)
+        for fix in REGISTRY:
+            for member, want in ((m, v[fix.NAME]) for m, v in pinned.items() if v is not None):
+                row = fixes[fix.NAME]["models"][member]
+                assert row["verdict"] == want, (fix.NAME, member, row)
+                assert row["applied"] is (want == "broken"), (fix.NAME, member, row)
+                if row["applied"]:
+                    now = fix.probe(views[member])
+                    assert now.state.value == "correct", (fix.NAME, member, now.reason)
+
+
 def test_status_and_doctor_name_undeclared_subclasses(m46):
     import family_subclass  # noqa: F401 - defines and registers the "4.8" classes
 
