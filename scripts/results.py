@@ -91,6 +91,9 @@ def collect(out: Path, specs: list[str]) -> list[dict]:
             info = json.loads(report.read_text())
             row.update({k: info.get(k) for k in ("vllm", "torch", "transformers", "python")})
             row["verdicts"] = {name: v["verdict"] for name, v in (info.get("fixes") or {}).items()}
+            # fix -> member -> verdict for the family members other than 4.6 (runs recorded before they existed: none)
+            row["member_verdicts"] = {name: v["models"] for name, v in (info.get("fixes") or {}).items()
+                                      if v.get("models")}
             row["labels"] = {name: v.get("label", name) for name, v in (info.get("fixes") or {}).items()}
             row["observed"] = info.get("observed") or {}
         rows.append(row)
@@ -197,8 +200,20 @@ def render_verdicts(data: dict) -> str:
     mark = {"broken": "**fixed**", "correct": "ok", "unrecognised": "n/a", "undetermined": "?"}
     lines = ["| what vLLM gets wrong (fix) | " + " | ".join(env_name(r) for r in envs) + " |",
              "|---|" + "---|" * len(envs)]
+    members = sorted({m for r in envs for v in (r.get("member_verdicts") or {}).values() for m in v})
+
+    def cell(r: dict, n: str) -> str:
+        out = mark.get(r["verdicts"].get(n, ""), r["verdicts"].get(n, "-"))
+        if members:  # release x model x fix: 4.6's verdict, then each other member's where this release has it
+            out = f"4.6: {out}"
+            for m in members:
+                v = ((r.get("member_verdicts") or {}).get(n) or {}).get(m)
+                if v is not None:
+                    out += f"<br>{m.removeprefix('MiniCPM-V ')}: {mark.get(v, v)}"
+        return out
+
     for n in fixes:
-        cells = [mark.get(r["verdicts"].get(n, ""), r["verdicts"].get(n, "-")) for r in envs]
+        cells = [cell(r, n) for r in envs]
         lines.append(f"| {labels[n]} (`{n}`) | " + " | ".join(cells) + " |")
     lines.append("| tests passed / failed | " + " | ".join(f"{r['passed']} / {r['failed']}" for r in envs) + " |")
     def pythons(r: dict) -> str:

@@ -249,14 +249,19 @@ def pytest_sessionfinish(session, exitstatus):
     import transformers
     import vllm
 
-    from vllm_minicpm_hotfix.fixes import REGISTRY
+    from vllm_minicpm_hotfix.fixes import REGISTRY, _base
 
     module = importlib.import_module("vllm.model_executor.models.minicpmv4_6")
+    members = {m: view for m, view in _base.member_modules(module).items() if view is not module}
     verdicts = {}
     for fix in REGISTRY:
         v = fix.probe(module)
         verdicts[fix.NAME] = {"verdict": v.state.value, "applicable": v.applicable, "reason": v.reason,
                               "label": fix.LABEL}
+        # Every other family member here: the fix's probe on that member's own classes ("n/a": not declared).
+        verdicts[fix.NAME]["models"] = {
+            m: (fix.probe(view).state.value if m in _base.models_of(fix) else "n/a") for m, view in members.items()
+        }
     Path(report).write_text(
         json.dumps(
             {
