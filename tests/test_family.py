@@ -330,3 +330,21 @@ def test_v47_refusal_names_the_served_model(m46, v47):
         with pytest.raises(PlaceholderMismatchError) as err:
             vllm_ids(pair, "image", [image(449, 448)], {"slice_mode": False})
     assert str(err.value).startswith("MiniCPM-V 4.7: image item 0 of this request has "), str(err.value)
+
+
+@pytest.mark.placed(*V47_ENVS)
+def test_doctor_fails_a_declared_member_left_broken(m46):
+    """A fix applied for 4.6 but not acting for 4.7 (which it declares), 4.7's classes still broken: doctor's row for
+    the fix on 4.7 is FAIL and its verdict fails naming MiniCPM-V 4.7, while every 4.6 row is OK."""
+    from vllm_minicpm_hotfix import doctor_child, doctor_judge, doctor_render
+
+    with hotfix(m46, "force", fixes=None):
+        _base._ACTIVE["mm_placeholders"] = frozenset({"MiniCPM-V 4.6"})  # as if the hook had chosen 4.6 only
+        child = {"status": vllm_minicpm_hotfix.status(), "vllm_version": "x", "steps": {"s": {"hook_installed": True}}}
+        child.update(doctor_child.probe_fixes({"package": "vllm_minicpm_hotfix"}, m46, ""))
+    verdicts = doctor_judge.assess_fixes(child)
+    rows = {r[0]: r for r in doctor_render._fix_rows(verdicts)}
+    assert rows["mm_placeholders [MiniCPM-V 4.7]"][1] == "FAIL", rows["mm_placeholders [MiniCPM-V 4.7]"]
+    assert all(rows[fix.NAME][1] == "OK" for fix in REGISTRY), rows
+    ok, line = doctor_judge.judge({"child": child, "fixes": verdicts, "vllm": {"installed": True, "version": "x"}})
+    assert not ok and "MiniCPM-V 4.7" in line and "image/video placeholder text" in line, line

@@ -97,6 +97,14 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
                        f"vLLM is left unpatched: report it (the log line 'vllm-minicpm-hotfix: the post-import hook "
                        f"failed' has the traceback)")
     broken = [n for n, f in fixes.items() if not f["ok"] and not f.get("scope")]  # scoped: WARN rows only
+    # Another family member (4.7) a fix declares whose classes still fail its probe: as wrong as a 4.6 failure.
+    members = [(n, m, r) for n, f in fixes.items() if not f.get("scope")
+               for m, r in (f.get("models") or {}).items() if r.get("declared") and not r.get("ok")]
+    if not broken and members:
+        n, m, r = members[0]
+        return False, (f"FAIL: vLLM {version} serves {m} with {fixes[n].get('label') or n} still {r['now']} "
+                       f"({r['now_reason']}; stock {r['stock']}, {'patched' if r['applied'] else 'not patched'}): "
+                       f"run `vllm-minicpm-hotfix verify` and report it")
     if not broken:
         done = "; ".join(f"{f.get('label') or n} {'patched by the hotfix' if f['applied'] else 'correct upstream'}"
                          for n, f in fixes.items() if f["ok"] or not f.get("scope"))

@@ -168,8 +168,8 @@ def _process_rows(child: dict[str, Any]) -> list[Row]:
 
 def _member_rows(name: str, f: dict[str, Any]) -> list[Row]:
     """One row per family member other than 4.6 (the fix's own row above) and per subclass no member owns: OK where
-    the fix covers the member and its probe on that member's classes now says correct (or it does not declare a
-    member it is not needed for), WARN where a subclass is not covered or a declared member is still not correct."""
+    the fix covers the member and its probe on that member's classes now says correct, or it does not declare the
+    member; WARN for a subclass no member owns; FAIL where a declared member's classes still fail the probe."""
     out = []
     for member, m in (f.get("models") or {}).items():
         if member == "MiniCPM-V 4.6":
@@ -182,8 +182,9 @@ def _member_rows(name: str, f: dict[str, Any]) -> list[Row]:
         elif m["ok"]:
             out.append((check, "OK", f"stock vLLM {m['stock']} -> PATCHED, now {m['now']}" if m["applied"]
                         else f"not needed: {one_line(m['stock_reason'], 200)}"))
-        else:
-            out.append((check, "WARN", f"stock vLLM {m['stock']}, now {m['now']}: {one_line(m['now_reason'], 240)}"))
+        else:  # declared and still not correct: FAIL (WARN for a fix scoped to some checkpoints)
+            out.append((check, "WARN" if f.get("scope") else "FAIL",
+                        f"stock vLLM {m['stock']}, now {m['now']}: {one_line(m['now_reason'], 240)}"))
     return out
 
 
