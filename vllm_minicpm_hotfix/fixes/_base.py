@@ -27,14 +27,12 @@ the package in the same process (a bundle on PYTHONPATH shadowing a pip install)
 from __future__ import annotations
 
 import importlib
-import logging
-import os
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
 from .. import decision
-from ..record import FixStatus, current, installed_vllm_version, logger
+from ..record import FixStatus, current, logger
 
 #: Attribute that marks a value set by a fix; its value is the fix's NAME.
 MARKER_ATTR = "__vllm_minicpm_hotfix__"
@@ -229,9 +227,16 @@ def revert(module: ModuleType | None = None) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _short(text: str, limit: int = 300) -> str:
+    """``text`` on one line, cut at ``limit`` characters (the full reason is in ``status()`` and ``doctor``)."""
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
 def run(fix: ModuleType, module: ModuleType) -> FixStatus:
     """What the post-import hook does for one fix: read the mode, probe (not under ``off``), decide, apply, record
-    the outcome in the status record under ``fix.NAME`` and log one line with the pid.
+    the outcome in the status record under ``fix.NAME`` and log its reason at INFO (the hook then logs the one
+    WARNING line of the process, :func:`vllm_minicpm_hotfix.record.summary_line`).
 
     A fix already patched in this process (by this copy of the package or another) is reported as such and left
     alone. Raises only what ``fix.apply`` raises (the hook catches and logs it); the classes are then left exactly as
@@ -252,21 +257,13 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
     chosen = decision.decide(mode, verdict)
     entry = FixStatus(name, verdict.state.value, verdict.reason, False, chosen.why, label=fix.LABEL)
     status.fixes[name] = entry
-    version = installed_vllm_version()
     if chosen.apply:
         fix.apply(module)
         entry.applied = True
-        # WARNING, not INFO: patching vLLM must be impossible to miss, also where vLLM has not configured its
-        # logging yet (0.32+ configures it lazily, so an INFO line from a script would be dropped).
-        logger.warning(
-            "vllm-minicpm-hotfix: MiniCPM-V 4.6 %s PATCHED in pid %d (vLLM %s, mode %s): %s",
-            fix.LABEL, os.getpid(), version, mode.value, chosen.why,
-        )
-    else:
-        unsure = verdict.state in (decision.State.UNRECOGNISED, decision.State.UNDETERMINED)
-        level = logging.WARNING if unsure and mode is not decision.Mode.OFF else logging.INFO
-        logger.log(
-            level, "vllm-minicpm-hotfix: %s not applied in pid %d (vLLM %s): %s", fix.LABEL, os.getpid(), version,
-            chosen.why,
-        )
+    # INFO: the hook's one WARNING line per process (record.summary_line) names every fix applied; the reasons are
+    # here, shown with VLLM_LOGGING_LEVEL=INFO (and by `doctor`, in full).
+    logger.info(
+        "vllm-minicpm-hotfix: %s (%s) %s: %s", name, fix.LABEL, "PATCHED" if entry.applied else "not applied",
+        _short(chosen.why),
+    )
     return entry
