@@ -3,6 +3,8 @@
 * :func:`assess_fixes` -- per registered fix, from the fresh vLLM process: the verdict on vLLM as shipped, the verdict
   now (the fix's probe re-run after the hook), whether the hook applied it.
 * :func:`judge` -- the verdict: ``(ok, one line saying why and what to do)``. All of doctor's decision is in it.
+* :func:`removal` -- the sentence doctor ends with: is the package still needed here, and which measured release
+  needs none of the fixes this vLLM needs (:mod:`vllm_minicpm_hotfix.releases`, from the packaged recorded run).
 
 Nothing here starts a process or reads the environment: both take the report dict and return plain values, so the
 judgement can be tested on hand-made reports.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import plugin
+from . import plugin, releases
 from .hook import TARGET_MODULE
 
 #: Where to point a user whose vLLM the hotfix does not know.
@@ -48,6 +50,17 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def removal(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The last sentence of doctor and ``removal`` of ``--json`` (:func:`vllm_minicpm_hotfix.releases.removal`):
+    from the fixes stock vLLM here is not correct for. None when doctor could not read the fixes (no vLLM, no 4.6
+    model module, a failed vLLM process)."""
+    fixes = report.get("fixes") or {}
+    if not fixes:
+        return None
+    version = (report.get("child") or {}).get("vllm_version") or report["vllm"].get("version")
+    return releases.removal([n for n, f in fixes.items() if f["needed"]], version)
+
+
 def hook_active(report: dict[str, Any]) -> bool:
     """Whether the post-import hook was installed at any step of the fresh vLLM process."""
     steps = (report.get("child") or {}).get("steps") or {}
@@ -80,12 +93,12 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
                        f"failed' has the traceback)")
     broken = [n for n, f in fixes.items() if not f["ok"] and not f.get("scope")]  # scoped: WARN rows only
     if not broken:
-        done = "; ".join(f"{f.get('label') or n} {'patched by the hotfix' if f['applied'] else 'correct upstream'}"
-                         for n, f in fixes.items() if f["ok"] or not f.get("scope"))
+        patched = sum(1 for f in fixes.values() if f["applied"])
+        upstream = sum(1 for f in fixes.values() if f["ok"] and not f["applied"])
         state = "hotfix active" if hook_active(report) else "hotfix not active"
         return True, (f"OK: a vLLM {version} started from this environment loads MiniCPM-V 4.6 correctly "
-                      f"({done}; {state})")
-    what = "; ".join(f"{fixes[n].get('label') or n}: {fixes[n]['stock']}" for n in broken)
+                      f"({patched} fixes patched by the hotfix, {upstream} correct upstream; {state})")
+    what = ", ".join(broken) + " " + ("broken" if all(fixes[n]["stock"] == "broken" for n in broken) else "not correct")
     if not hook_active(report):
         return False, (f"FAIL: vLLM {version} needs the hotfix ({what}) but it is not active in a fresh vLLM "
                        f"process: {activation_advice(report)}")
