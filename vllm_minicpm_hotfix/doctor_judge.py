@@ -98,7 +98,8 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
         state = "hotfix active" if hook_active(report) else "hotfix not active"
         return True, (f"OK: a vLLM {version} started from this environment loads MiniCPM-V 4.6 correctly "
                       f"({patched} fixes patched by the hotfix, {upstream} correct upstream; {state})")
-    what = ", ".join(broken) + " " + ("broken" if all(fixes[n]["stock"] == "broken" for n in broken) else "not correct")
+    listed = ", ".join(broken)
+    what = listed if len(listed) <= 60 else f"{len(broken)} fixes: the FAIL rows above"
     if not hook_active(report):
         return False, (f"FAIL: vLLM {version} needs the hotfix ({what}) but it is not active in a fresh vLLM "
                        f"process: {activation_advice(report)}")
@@ -144,6 +145,6 @@ def activation_advice(report: dict[str, Any]) -> str:
                 f"directory, so Python does not run it: write a bundle (`vllm-minicpm-hotfix bundle DIR`, "
                 f"PYTHONPATH=DIR) or pip install into the environment")
     if not (ep or pth or sc["ours"]):
-        return ("the hotfix is not installed in this environment: `pip install vllm-minicpm-hotfix` into the Python "
-                "that runs vllm, or mount a `vllm-minicpm-hotfix bundle` folder and name it in PYTHONPATH")
+        return ("the hotfix is not installed in this environment: `pip install` it (a clone or its wheel) into the "
+                "Python that runs vllm, or put a `vllm-minicpm-hotfix bundle` folder on PYTHONPATH")
     return "no activation path fired in a fresh vLLM process (see the activation rows above)"
