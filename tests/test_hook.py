@@ -103,12 +103,17 @@ class _Capture(logging.Handler):
 
 @pytest.fixture
 def captured():
+    """Every record of the hotfix's logger, whatever level vLLM's logging left it at (0.32+ configures it lazily, so
+    its INFO records would otherwise be dropped in this process)."""
     handler = _Capture()
+    level = record.logger.level
     record.logger.addHandler(handler)
+    record.logger.setLevel(logging.DEBUG)
     try:
         yield handler.records
     finally:
         record.logger.removeHandler(handler)
+        record.logger.setLevel(level)
 
 
 def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatch, captured):
