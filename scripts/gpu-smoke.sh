@@ -9,7 +9,8 @@
 #   2. with only the image-processor fix active it fails with the `k_proj` load error in the weight-loading process;
 #   3. with PYTHONPATH=<bundle> (package not installed, wrapt hidden) it serves: an OpenAI chat completion with a
 #      base64 image returns 200 with 8 generated tokens, and the q/k/v patch is logged by the worker that loaded
-#      the weights ("... PATCHED in pid N", N = the "(Worker pid=N) ... Loading weights took" process);
+#      the weights ("vllm-minicpm-hotfix: MiniCPM-V 4.6, ..., pid N: patched ...", N = the "(Worker pid=N) ...
+#      Loading weights took" process);
 #   4. the same with the wheel pip-installed (no PYTHONPATH).
 # Servers bind 127.0.0.1 only, one at a time, each stopped (its whole process group) after its test.
 #

@@ -13,7 +13,6 @@ Only three tests import vLLM (~30 s each); the rest start bare interpreters (~50
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from e2e import (
     site_packages,
     source_copy,
 )
+from hotfix_log import patched_pids, summaries
 
 from vllm_minicpm_hotfix import _bootstrap, bundle
 
@@ -37,8 +37,6 @@ pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 M46 = "vllm.model_executor.models.minicpmv4_6"
 HEAVY = ("wrapt", "torch", "vllm", "transformers")
-QKV_LINE = re.compile(r"vit_merger q/k/v loader PATCHED in pid (\d+)")
-PROCESSOR_LINE = re.compile(r"image placeholder count \(downsample_mode\) PATCHED in pid (\d+)")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -314,7 +312,8 @@ def test_pth_activates_on_import_and_plugin_is_idempotent(pip_env, expected, rel
     assert st["vllm_version"].split("+")[0] == release
     assert st["fixes"]["qkv_loader"]["verdict"] == expected[0]
     assert out["qkv_patched"] is (expected[0] == "broken")
-    assert len(QKV_LINE.findall(log)) == (1 if expected[0] == "broken" else 0)
+    assert len(patched_pids(log, "qkv_loader")) == (1 if expected[0] == "broken" else 0)
+    assert [s["pid"] for s in summaries(log)] == [st["pid"]]  # one summary line for the process
     assert Path(out["package"]).resolve().is_relative_to(site_packages(pip_env).resolve())
 
 
@@ -324,7 +323,7 @@ def test_bundle_without_wrapt_activates_with_its_own_wrapt(bare_env, bundle_dir,
     assert Path(out["package"]).resolve().is_relative_to(bundle_dir.resolve())
     assert Path(out["wrapt"]).resolve().is_relative_to((bundle_dir / _bootstrap.VENDOR_DIR).resolve())
     assert out["qkv_patched"] and out["status"]["fixes"]["qkv_loader"]["applied"]
-    assert QKV_LINE.findall(log) == [str(out["status"]["pid"])]
+    assert patched_pids(log, "qkv_loader") == [str(out["status"]["pid"])]
 
 
 def test_pip_and_bundle_together_patch_once(pip_env, bundle_dir, tmp_path):
@@ -336,9 +335,10 @@ def test_pip_and_bundle_together_patch_once(pip_env, bundle_dir, tmp_path):
     assert out["activations_before_plugins"] == ["pth"]  # .pth first; sitecustomize found the finder armed
     assert out["activations"] == ["pth", "plugin"]
     assert out["qkv_patched"]
-    assert QKV_LINE.findall(log) == [pid]
+    assert patched_pids(log, "qkv_loader") == [pid]
+    assert len(summaries(log)) == 1  # two copies of the package, one summary line
     if out["status"]["fixes"].get("processor_downsample_mode", {}).get("applied"):
-        assert PROCESSOR_LINE.findall(log) == [pid]
+        assert patched_pids(log, "processor_downsample_mode") == [pid]
     # Installed wrapt, not the bundle's
     assert Path(out["wrapt"]).resolve().is_relative_to(site_packages().resolve())
 

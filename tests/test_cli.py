@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -262,7 +263,24 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
             assert "not installed in this environment" in report["summary"] and "pip install" in report["summary"]
     else:
         assert ("hotfix active" if active else "hotfix not active") in report["summary"]
+    # The closing sentence, from the recorded run (docs/results/test-run.json) and this environment's row of
+    # tests/expected.py: is the package still needed, and does a measured release need none of what is needed here.
+    needed = [f.NAME for f in REGISTRY if table.verdict(f.NAME, env) != "correct"]
+    assert report["removal"]["needed"] == needed
+    run = json.loads((REPO / "docs" / "results" / "test-run.json").read_text())
+    fits = [e for e in run["environments"] if all(e["verdicts"].get(n) == "correct" for n in needed)]
+    sentence = report["removal"]["sentence"]
+    if not needed:
+        assert sentence == "nothing to fix on this vLLM: the package can be removed"
+    elif not fits:
+        assert sentence == "needed, and no measured release fixes all of them"
+    else:
+        assert re.fullmatch(rf"needed for {len(needed)} fix(es)?; vLLM \S+ \(measured, transformers \S+\) needs none "
+                            r"of them", sentence), sentence
+        assert report["removal"]["release"]["environment"] in [e["environment"] for e in fits]
+    assert len(report["summary"]) < 300, report["summary"]
     rows = {r["check"]: r for r in report["checks"]}
+    assert not [r for r in report["checks"] if "not needed: not needed" in r["detail"]]
     assert rows["qkv_loader"]["status"] == ("OK" if (active or not qkv_broken) else "FAIL")
     # The completeness guard is scoped (a check, not a repair): needed and unapplied is a WARN row, never the verdict.
     guard_needed = table.verdict("qkv_completeness_guard", env) == "broken"
@@ -275,7 +293,7 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
 
 def test_doctor_text_table(setups):
     """The terminal form of a report (here from the bundle run above, or computed afresh): a table, no colour codes
-    off a terminal, and the verdict as the last line."""
+    off a terminal, the verdict, and the closing sentence as the last line."""
     import io
     from contextlib import redirect_stdout
 
@@ -288,11 +306,11 @@ def test_doctor_text_table(setups):
     lines = buf.getvalue().splitlines()
     assert lines[0] == "vllm-minicpm-hotfix doctor"
     assert lines[1].split() == ["check", "status", "detail"]
-    checks = [ln.split()[0] for ln in lines[2:-1]]
+    checks = [ln.split()[0] for ln in lines[2:-2]]
     for check in ("python", "vLLM", "mode", "entry", "VLLM_PLUGINS", ".pth", "sitecustomize", "bundle", "wrapt",
                   "qkv_loader"):
         assert check in checks, checks
-    assert lines[-1] == report["summary"]
+    assert lines[-2:] == [report["summary"], report["removal"]["sentence"]]  # the verdict, then whether still needed
     assert "\x1b[" not in buf.getvalue()
 
 

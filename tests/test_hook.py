@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, hotfix
 
 from vllm_minicpm_hotfix import decision, hook, record
-from vllm_minicpm_hotfix.fixes import _base, qkv_loader
+from vllm_minicpm_hotfix.fixes import REGISTRY, _base, names, qkv_loader
 
 ATTN = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
 MODEL = "MiniCPMV4_6ForConditionalGeneration"
@@ -36,7 +36,7 @@ INSTALL_THEN_IMPORT = """
 import vllm_minicpm_hotfix as h
 first = h.install(); second = h.install()
 import vllm.model_executor.models.minicpmv4_6 as m
-from vllm_minicpm_hotfix.fixes import _base, qkv_loader
+from vllm_minicpm_hotfix.fixes import REGISTRY, _base, names, qkv_loader
 h.install()
 print(json.dumps({"status": h.status(), "first": first, "second": second,
                   "patched": _base.is_patched(qkv_loader, m)}))
@@ -56,8 +56,12 @@ def test_hook_applies_decision_when_vllm_imports_the_module(expected, release, m
     assert fix["applied"] is want_applied and out["patched"] is want_applied
     if mode != "off":
         assert fix["verdict"] == expected[0]
-    if want_applied:
-        assert f"PATCHED in pid {st['pid']}" in log
+    lines = record.parse_summary(log, names())
+    assert len(lines) == 1, log  # one WARNING line for the process, naming what it patched
+    assert (lines[0]["pid"], lines[0]["mode"]) == (st["pid"], mode)
+    assert lines[0]["vllm"].split("+")[0] == release
+    assert lines[0]["applied"] == [n for n in names() if st["fixes"][n]["applied"]]
+    assert ("qkv_loader" in lines[0]["applied"]) is want_applied
 
 
 def test_install_after_module_import_patches_at_once(m46, expected):
@@ -99,12 +103,17 @@ class _Capture(logging.Handler):
 
 @pytest.fixture
 def captured():
+    """Every record of the hotfix's logger, whatever level vLLM's logging left it at (0.32+ configures it lazily, so
+    its INFO records would otherwise be dropped in this process)."""
     handler = _Capture()
+    level = record.logger.level
     record.logger.addHandler(handler)
+    record.logger.setLevel(logging.DEBUG)
     try:
         yield handler.records
     finally:
         record.logger.removeHandler(handler)
+        record.logger.setLevel(level)
 
 
 def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatch, captured):
@@ -135,9 +144,9 @@ def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatc
         record._STATUS = None
 
 
-def test_unrecognised_layout_skips_with_one_warning(m46, monkeypatch, captured):
-    """A vLLM whose model module lacks the self-attention class (a layout this fix does not know): one warning line,
-    nothing touched, even with force."""
+def test_unrecognised_layout_is_left_alone_and_named_in_the_summary(m46, monkeypatch, captured):
+    """A vLLM whose model module lacks the self-attention class (a layout this fix does not know): nothing touched,
+    even with force; its reason at INFO, and the process's summary line names it under "could not tell"."""
     fake = types.ModuleType("vllm.model_executor.models.minicpmv4_6")
     fake.MiniCPMV4_6ForConditionalGeneration = getattr(m46, MODEL)
     before = dict(getattr(m46, MODEL).__dict__)
@@ -147,10 +156,64 @@ def test_unrecognised_layout_skips_with_one_warning(m46, monkeypatch, captured):
         record._STATUS = None
         fix = _base.run(qkv_loader, fake)
         assert not fix.applied and fix.verdict == "unrecognised"
-        warnings = [r for r in captured if r.levelno >= logging.WARNING]
-        assert len(warnings) == 1 and "layout not recognised" in warnings[0].getMessage()
+        assert [r.levelno for r in captured] == [logging.INFO]
+        assert "qkv_loader" in captured[0].getMessage() and "layout not recognised" in captured[0].getMessage()
+        assert "; could not tell: qkv_loader;" in record.summary_line(record.current(), names())
         assert dict(getattr(m46, MODEL).__dict__) == before
     record._STATUS = None
+
+
+@pytest.mark.parametrize("mode", ["auto", "force", "off"])
+def test_the_hook_logs_one_warning_line_per_process(m46, expected, monkeypatch, captured, mode):
+    """The real hook on the real model module: exactly one WARNING record (the summary: members, vLLM version, mode,
+    pid, the NAMEs applied, the pointer to doctor; under 300 characters), one INFO record per fix with its reason,
+    and running the hook again in the same process (a second copy of the package) logs no second summary."""
+    monkeypatch.setenv("VLLM_MINICPM_HOTFIX", mode)
+    monkeypatch.delattr(record.logger, "_vllm_minicpm_hotfix_summary_pid", raising=False)
+    record._STATUS = None
+    try:
+        hook.on_import(m46)
+        st = record.current()
+        warnings = [r for r in captured if r.levelno >= logging.WARNING]
+        infos = [r for r in captured if r.levelno == logging.INFO]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        line = warnings[0].getMessage()
+        assert "\n" not in line and len(line) < 300, line
+        parsed = record.parse_summary(line, names())
+        assert len(parsed) == 1 and parsed[0]["line"] == line, line
+        applied = [n for n in names() if st.fixes[n].applied]
+        assert parsed[0]["applied"] == applied and parsed[0]["pid"] == os.getpid() and parsed[0]["mode"] == mode
+        assert parsed[0]["vllm"] == st.vllm_version and parsed[0]["models"][0] == "MiniCPM-V 4.6"
+        assert ("qkv_loader" in applied) is (mode == "force" or (mode == "auto" and expected[0] == "broken"))
+        assert line.endswith("details: vllm-minicpm-hotfix doctor")
+        assert len(infos) == len(REGISTRY)  # each fix's reason, at INFO
+        for fix, rec in zip(REGISTRY, infos):
+            assert rec.getMessage().startswith(f"vllm-minicpm-hotfix: {fix.NAME} ({fix.LABEL}) ")
+        captured.clear()
+        hook.on_import(m46)  # the same process again: every fix is already patched, no second summary
+        assert not [r for r in captured if r.levelno >= logging.WARNING]
+    finally:
+        _base.revert(m46)
+        record._STATUS = None
+
+
+def test_summary_line_stays_short_for_any_set_of_fixes():
+    """Every subset of the 12 fixes, with the longest values a real process has: under 300 characters, one line,
+    and parsed back to the same subset."""
+    import itertools
+
+    reg = names()
+    st = record.Status(pid=4194304, mode="force", vllm_version="0.33.0rc2.dev123+g0123abcd.cpu",
+                       models=["MiniCPM-V 4.6", "MiniCPM-V 4.7"])
+    longest = 0
+    for k in range(len(reg) + 1):
+        for chosen in itertools.combinations(reg, k):
+            st.fixes = {n: record.FixStatus(n, "broken", "", n in chosen, "") for n in reg}
+            line = record.summary_line(st, reg)
+            longest = max(longest, len(line))
+            (parsed,) = record.parse_summary("INFO 12-01 [x.py:1] " + line, reg)
+            assert parsed["applied"] == list(chosen) and parsed["models"] == st.models
+    assert longest < 300, longest
 
 
 def test_mode_parsing():

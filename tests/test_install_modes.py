@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 from e2e import clean_env, overlay_env, pip_install, run_python, run_uv, site_packages, source_copy
-from test_activation import HEAVY, IMPORT_M46, QKV_LINE, import_m46, started
+from hotfix_log import patched_pids
+from test_activation import HEAVY, IMPORT_M46, import_m46, started
 
 pytestmark = pytest.mark.placed("0.28.0")
 
@@ -97,7 +98,7 @@ def test_pip_editable_install_activates(tmp_path, expected):
     assert Path(out["package"]).resolve().is_relative_to(src.resolve())
     assert out["status"]["fixes"]["qkv_loader"]["verdict"] == expected[0]
     assert out["qkv_patched"] is (expected[0] == "broken")
-    assert QKV_LINE.findall(log) == ([str(out["status"]["pid"])] if expected[0] == "broken" else [])
+    assert patched_pids(log, "qkv_loader") == ([str(out["status"]["pid"])] if expected[0] == "broken" else [])
 
 
 def test_target_dir_on_pythonpath_doctor_explains(wheel, tmp_path, expected):

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, observed
 from e2e import clean_env, make_bundle, overlay_env, pip_install, run_python
+from hotfix_log import patched_pids
 
 from vllm_minicpm_hotfix import _bootstrap
 
@@ -33,7 +34,6 @@ pytestmark = pytest.mark.placed("0.28.0")
 VERSIONS = ("3.12", "3.13")
 #: Who makes the bundle each Python loads: never itself ("suite": this suite's own interpreter, 3.11).
 BUNDLE_MADE_BY = {"3.12": "3.13", "3.13": "suite"}
-PATCHED = "vit_merger q/k/v loader PATCHED in pid"
 
 # Runs in the other Python: import vLLM's model module (the route armed at start-up applies the fix), load the tiny
 # checkpoint through vLLM's load_weights, compare with the checkpoint's tensors, then revert and load stock.
@@ -124,7 +124,7 @@ def test_route_loads_exactly_on(version, route, pythons, bundles, wheel, broken_
         assert Path(out["wrapt"]).is_relative_to(home / _bootstrap.VENDOR_DIR)  # the image has none
         made_by = json.loads((home / "vllm-minicpm-hotfix-bundle.json").read_text())["made_with_python"]
         assert not made_by.startswith(version + ".")
-    assert f"{PATCHED} {out['pid']}" in log
+    assert patched_pids(log, "qkv_loader") == [str(out["pid"])]
     assert out["exact"] == {"weight": True, "bias": True} and out["distinct"]
     assert set(out["qkv_loaded"]) == {"vit_merger.self_attn.qkv_proj.weight", "vit_merger.self_attn.qkv_proj.bias"}
     # The same vLLM with the fix reverted: stock fails with the error users report on this release.

@@ -22,7 +22,8 @@ Where it lives: what it gathers in :mod:`vllm_minicpm_hotfix.doctor_facts`, what
 :mod:`vllm_minicpm_hotfix.doctor_render`; this module runs the three (:func:`collect`) and keeps their public names.
 
 Exit status 0 when every fix is either not needed (vLLM correct upstream) or applied in that process, 1 otherwise; the
-last line says why and what to do. ``--json`` prints the same facts as one JSON object.
+verdict line says why and what to do, and the last line whether the package is still needed here (from the recorded
+run shipped with it, :mod:`vllm_minicpm_hotfix.releases`). ``--json`` prints the same facts as one JSON object.
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ from .doctor_facts import (
     wrapt_facts,
     wrapt_used,
 )
-from .doctor_judge import assess_fixes, judge
+from .doctor_judge import assess_fixes, judge, removal
 from .doctor_render import render, rows
 
 
 def collect(timeout: float = 600.0) -> dict[str, Any]:
     """Gather every fact (:mod:`.doctor_facts`; the fresh vLLM process only where vLLM is installed), judge them
     (:mod:`.doctor_judge`) and lay out the table (:mod:`.doctor_render`). Returns the report ``--json`` prints:
-    ``python``, ``vllm``, ``mode``, ``activation``, ``wrapt``, ``child``, ``fixes``, ``ok``, ``summary``, ``checks``.
+    ``python``, ``vllm``, ``mode``, ``activation``, ``wrapt``, ``child``, ``fixes``, ``ok``, ``summary``, ``removal``
+    (the closing sentence and its facts, :func:`vllm_minicpm_hotfix.doctor_judge.removal`; None without fixes),
+    ``checks``.
     """
     activation = activation_facts()
     report: dict[str, Any] = {
@@ -73,6 +76,7 @@ def collect(timeout: float = 600.0) -> dict[str, Any]:
             if child.get("wrapt"):
                 report["wrapt"]["used_in_vllm_process"] = wrapt_used(child["wrapt"])
     report["ok"], report["summary"] = judge(report)
+    report["removal"] = removal(report)
     report["checks"] = rows(report)
     return report
 

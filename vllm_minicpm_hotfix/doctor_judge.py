@@ -3,6 +3,8 @@
 * :func:`assess_fixes` -- per registered fix, from the fresh vLLM process: the verdict on vLLM as shipped, the verdict
   now (the fix's probe re-run after the hook), whether the hook applied it.
 * :func:`judge` -- the verdict: ``(ok, one line saying why and what to do)``. All of doctor's decision is in it.
+* :func:`removal` -- the sentence doctor ends with: is the package still needed here, and which measured release
+  needs none of the fixes this vLLM needs (:mod:`vllm_minicpm_hotfix.releases`, from the packaged recorded run).
 
 Nothing here starts a process or reads the environment: both take the report dict and return plain values, so the
 judgement can be tested on hand-made reports.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import plugin
+from . import plugin, releases
 from .hook import TARGET_MODULE
 
 #: Where to point a user whose vLLM the hotfix does not know.
@@ -66,6 +68,17 @@ def _assess_models(probe: dict[str, Any], rec: dict[str, Any]) -> dict[str, dict
     return out
 
 
+def removal(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The last sentence of doctor and ``removal`` of ``--json`` (:func:`vllm_minicpm_hotfix.releases.removal`):
+    from the fixes stock vLLM here is not correct for. None when doctor could not read the fixes (no vLLM, no 4.6
+    model module, a failed vLLM process)."""
+    fixes = report.get("fixes") or {}
+    if not fixes:
+        return None
+    version = (report.get("child") or {}).get("vllm_version") or report["vllm"].get("version")
+    return releases.removal([n for n, f in fixes.items() if f["needed"]], version)
+
+
 def hook_active(report: dict[str, Any]) -> bool:
     """Whether the post-import hook was installed at any step of the fresh vLLM process."""
     steps = (report.get("child") or {}).get("steps") or {}
@@ -106,12 +119,13 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
                        f"({r['now_reason']}; stock {r['stock']}, {'patched' if r['applied'] else 'not patched'}): "
                        f"run `vllm-minicpm-hotfix verify` and report it")
     if not broken:
-        done = "; ".join(f"{f.get('label') or n} {'patched by the hotfix' if f['applied'] else 'correct upstream'}"
-                         for n, f in fixes.items() if f["ok"] or not f.get("scope"))
+        patched = sum(1 for f in fixes.values() if f["applied"])
+        upstream = sum(1 for f in fixes.values() if f["ok"] and not f["applied"])
         state = "hotfix active" if hook_active(report) else "hotfix not active"
         return True, (f"OK: a vLLM {version} started from this environment loads MiniCPM-V 4.6 correctly "
-                      f"({done}; {state})")
-    what = "; ".join(f"{fixes[n].get('label') or n}: {fixes[n]['stock']}" for n in broken)
+                      f"({patched} fixes patched by the hotfix, {upstream} correct upstream; {state})")
+    listed = ", ".join(broken)
+    what = listed if len(listed) <= 60 else f"{len(broken)} fixes: the FAIL rows above"
     if not hook_active(report):
         return False, (f"FAIL: vLLM {version} needs the hotfix ({what}) but it is not active in a fresh vLLM "
                        f"process: {activation_advice(report)}")
@@ -157,6 +171,6 @@ def activation_advice(report: dict[str, Any]) -> str:
                 f"directory, so Python does not run it: write a bundle (`vllm-minicpm-hotfix bundle DIR`, "
                 f"PYTHONPATH=DIR) or pip install into the environment")
     if not (ep or pth or sc["ours"]):
-        return ("the hotfix is not installed in this environment: `pip install vllm-minicpm-hotfix` into the Python "
-                "that runs vllm, or mount a `vllm-minicpm-hotfix bundle` folder and name it in PYTHONPATH")
+        return ("the hotfix is not installed in this environment: `pip install` it (a clone or its wheel) into the "
+                "Python that runs vllm, or put a `vllm-minicpm-hotfix bundle` folder on PYTHONPATH")
     return "no activation path fired in a fresh vLLM process (see the activation rows above)"

@@ -194,7 +194,7 @@ def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
         stock_reason, now_reason = one_line(f["stock_reason"], 240), one_line(f["now_reason"], 240)
         if f["ok"]:
             detail = (f"stock vLLM {f['stock']} -> PATCHED, now {f['now']}" if f["applied"]
-                      else f"not needed: {stock_reason}")
+                      else _not_needed(stock_reason))
             out.append((name, "OK", detail))
         elif f.get("hook_error"):
             out.append((name, "FAIL", f"hook error: {f['hook_error']}"))
@@ -210,9 +210,19 @@ def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
     return out
 
 
+def _not_needed(reason: str) -> str:
+    """``not needed: REASON``, once (a probe's reason may already say it)."""
+    while reason.startswith("not needed: "):
+        reason = reason[len("not needed: "):]
+    return f"not needed: {reason}"
+
+
 def render(report: dict[str, Any]) -> None:
-    """Print the report's table (``report["checks"]``) and its verdict line (``report["summary"]``)."""
+    """Print the report's table (``report["checks"]``), its verdict line (``report["summary"]``) and, where doctor
+    read the fixes, the closing sentence (``report["removal"]["sentence"]``) as the last line."""
     print("vllm-minicpm-hotfix doctor")
     print_table(["check", "status", "detail"], [(r["check"], r["status"], r["detail"]) for r in report["checks"]],
                 style_col=1)
     print_verdict(report["ok"], report["summary"])
+    if report.get("removal"):
+        print(report["removal"]["sentence"])

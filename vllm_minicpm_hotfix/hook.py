@@ -8,12 +8,13 @@ runs when vLLM imports the model module, or at once if it is already imported. E
 
 from __future__ import annotations
 
+import sys
 import threading
 import traceback
 from collections.abc import Callable
 from types import ModuleType
 
-from .record import FixStatus, current, installed_vllm_version, logger
+from .record import FixStatus, current, installed_vllm_version, log_summary, logger
 
 TARGET_MODULE = "vllm.model_executor.models.minicpmv4_6"
 
@@ -38,6 +39,27 @@ def on_import(module: ModuleType) -> None:
         return
     for fix in REGISTRY:
         _guarded(fix.NAME, fix.LABEL, lambda m, fix=fix: _base.run(fix, m), module)
+    try:
+        status.models = _family_present(_base.FAMILY)
+        log_summary(status, [fix.NAME for fix in REGISTRY])
+    except Exception as exc:  # noqa: BLE001 - pragma: no cover - the summary itself broken
+        logger.warning("vllm-minicpm-hotfix: the summary line failed: %s\n%s", exc, traceback.format_exc())
+
+
+def _family_present(family: dict[str, str]) -> list[str]:
+    """The members of ``family`` (module -> member name) whose vLLM module exists here, without importing it (the
+    parent package is already imported when the hook runs)."""
+    import importlib.util
+
+    out = []
+    for module_name, member in family.items():
+        try:
+            found = module_name in sys.modules or importlib.util.find_spec(module_name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            out.append(member)
+    return out
 
 
 def _guarded(name: str, label: str, apply: Callable[[ModuleType], object], module: ModuleType) -> None:

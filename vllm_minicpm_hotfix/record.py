@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 import threading
 from typing import Any
@@ -44,6 +45,8 @@ class Status:
     vllm_version: str | None = None
     fixes: dict[str, FixStatus] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: The model family members this vLLM defines (``fixes._base.FAMILY`` whose module exists), set by the hook.
+    models: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,3 +75,116 @@ def installed_vllm_version() -> str | None:
     """``vllm.__version__`` if vLLM is already imported in this process (never imports it)."""
     vllm = sys.modules.get("vllm")
     return getattr(vllm, "__version__", None) if vllm is not None else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The one WARNING line per process
+# --------------------------------------------------------------------------------------------------------------------
+
+#: Every summary line starts with this.
+SUMMARY_PREFIX = "vllm-minicpm-hotfix: "
+
+#: What :func:`summary_line` writes (anywhere on a line, after vLLM's own prefix), as a pattern with named groups ``models``, ``vllm``, ``mode``, ``pid``,
+#: ``applied``, ``total`` and ``names`` (the rendering of the applied fixes: ``all``, ``none``, a comma-separated
+#: list of NAMEs, or ``all but`` and a list of the NAMEs not applied), ``rest`` (``; could not tell: ...`` /
+#: ``; failed: ...`` or empty).
+SUMMARY_PATTERN = re.compile(
+    r"vllm-minicpm-hotfix: (?P<models>MiniCPM-V [^,]+|no MiniCPM-V model), vLLM (?P<vllm>\S+), mode (?P<mode>\w+), "
+    r"pid (?P<pid>\d+): patched (?P<applied>\d+) of (?P<total>\d+) fixes \((?P<names>[^)]*)\)(?P<rest>(; [^;]+)*); "
+    r"details: vllm-minicpm-hotfix doctor$",
+    re.MULTILINE,
+)
+
+
+def _render(chosen: list[str], registry: list[str]) -> str:
+    """``chosen`` (a subset of ``registry``) as ``all``, its comma-separated list, or ``all but`` the others,
+    whichever is shortest (``none`` for an empty subset)."""
+    others = [n for n in registry if n not in chosen]
+    if not chosen:
+        return "none"
+    if not others:
+        return "all"
+    listed, but = ", ".join(chosen), "all but " + ", ".join(others)
+    return listed if len(listed) <= len(but) else but
+
+
+def _expand(text: str, registry: list[str]) -> list[str]:
+    """The inverse of :func:`_render`."""
+    if text == "all":
+        return list(registry)
+    if text.startswith("none"):
+        return []
+    if text.startswith("all but "):
+        left = set(text[len("all but "):].split(", "))
+        return [n for n in registry if n not in left]
+    return text.split(", ")
+
+
+def summary_line(status: Status, registry: list[str]) -> str:
+    """The one WARNING line the post-import hook logs per process, once every fix has run.
+
+    ``registry``: every fix's ``NAME`` in registry order (:func:`vllm_minicpm_hotfix.fixes.names`). The line is::
+
+        vllm-minicpm-hotfix: MiniCPM-V 4.6/4.7, vLLM 0.32.0, mode auto, pid 16684: patched 9 of 12 fixes (all but
+        qkv_loader, processor_downsample_mode, encoder_modes); details: vllm-minicpm-hotfix doctor
+
+    (one line; wrapped here). The applied fixes are named by ``NAME``: ``all``, ``none`` (``none: off`` under
+    ``VLLM_MINICPM_HOTFIX=off``), their list, or ``all but`` the list of the others, whichever is shorter -- so the
+    line stays under 300 characters for any subset of 12 fixes applied (where every probe reached a verdict). Fixes left alone because their probe could not tell
+    (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that raised inside the hook as
+    ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way; subclasses of the patched
+    classes that no family member owns (a model vLLM added after this package) as ``; not covered: CLASSES``. Each fix's reason is an INFO line
+    (``VLLM_LOGGING_LEVEL=INFO``); :data:`SUMMARY_PATTERN` parses the line. Pure: reads ``status`` only.
+    """
+    fixes = status.fixes
+    applied = [n for n in registry if n in fixes and fixes[n].applied]
+    names = "none: off" if not applied and status.mode == "off" else _render(applied, registry)
+    unsure = [n for n in registry if n in fixes and not fixes[n].applied
+              and fixes[n].verdict in ("unrecognised", "undetermined") and status.mode != "off"]
+    failed = [n for n in registry if n in fixes and fixes[n].verdict == "error"]
+    # Subclasses of the patched classes that no family member owns (a model vLLM added after this package): each
+    # fix that would reach them hands them to vLLM, and says so here and in doctor.
+    uncovered = sorted({key for n in registry if n in fixes for key, row in (fixes[n].models or {}).items()
+                        if isinstance(row, dict) and row.get("unknown")})
+    rest = (f"; could not tell: {_render(unsure, registry)}" if unsure else "") + (
+        f"; failed: {_render(failed, registry)}" if failed else "") + (
+        f"; not covered: {', '.join(uncovered)}" if uncovered else "")
+    if status.models:
+        numbers = [m.split()[-1] for m in status.models]
+        models = f"MiniCPM-V {'/'.join(numbers)}"
+    else:
+        models = "no MiniCPM-V model"
+    return (f"{SUMMARY_PREFIX}{models}, vLLM {status.vllm_version}, mode {status.mode}, pid {status.pid}: patched "
+            f"{len(applied)} of {len(registry)} fixes ({names}){rest}; details: vllm-minicpm-hotfix doctor")
+
+
+def log_summary(status: Status, registry: list[str]) -> bool:
+    """Log :func:`summary_line` at WARNING, once per process: a second copy of the package in the same process (a
+    bundle next to a pip install) logs nothing. Returns whether it logged. The mark is kept on the shared
+    ``vllm.minicpm_hotfix`` logger object (one per process, whichever copy created it), keyed by pid so a forked
+    child logs its own line."""
+    with _LOCK:
+        if getattr(logger, "_vllm_minicpm_hotfix_summary_pid", None) == os.getpid():
+            return False
+        logger._vllm_minicpm_hotfix_summary_pid = os.getpid()  # type: ignore[attr-defined]
+    logger.warning("%s", summary_line(status, registry))
+    return True
+
+
+def parse_summary(log: str, registry: list[str]) -> list[dict[str, Any]]:
+    """Every :func:`summary_line` in ``log`` (text of any number of lines), in order, as dicts: ``models`` (list of
+    member names), ``vllm``, ``mode``, ``pid`` (int), ``applied`` (NAMEs, ``all`` / ``all but`` expanded against
+    ``registry``, in registry order), ``total`` (int), ``could_not_tell`` and ``failed`` (NAMEs), ``line`` (the line
+    from ``vllm-minicpm-hotfix:`` on)."""
+    out = []
+    for m in SUMMARY_PATTERN.finditer(log):
+        applied = _expand(m["names"], registry)
+        rest = {k: _expand(v, registry) for k, v in re.findall(r"; (could not tell|failed): ([^;]+)", m["rest"])}
+        models = m["models"]
+        out.append({
+            "models": [] if models.startswith("no ") else [f"MiniCPM-V {n}" for n in models.split()[-1].split("/")],
+            "vllm": m["vllm"], "mode": m["mode"], "pid": int(m["pid"]), "applied": applied,
+            "total": int(m["total"]), "could_not_tell": rest.get("could not tell", []), "failed": rest.get("failed", []),
+            "line": m.group(0),
+        })
+    return out

@@ -27,14 +27,12 @@ the package in the same process (a bundle on PYTHONPATH shadowing a pip install)
 from __future__ import annotations
 
 import importlib
-import logging
-import os
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
 from .. import decision
-from ..record import FixStatus, current, installed_vllm_version, logger
+from ..record import FixStatus, current, logger
 
 #: Attribute that marks a value set by a fix; its value is the fix's NAME.
 MARKER_ATTR = "__vllm_minicpm_hotfix__"
@@ -354,12 +352,19 @@ def revert(module: ModuleType | None = None) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _short(text: str, limit: int = 300) -> str:
+    """``text`` on one line, cut at ``limit`` characters (the full reason is in ``status()`` and ``doctor``)."""
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
 def run(fix: ModuleType, module: ModuleType) -> FixStatus:
     """What the post-import hook does for one fix: read the mode; per family member present in this vLLM
     (:func:`member_modules`) that the fix declares, probe that member's classes (not under ``off``) and decide; apply
     if any member needs it (the wrappers then act for exactly those members, :func:`covers`); record the outcome in
     the status record under ``fix.NAME`` (the top-level verdict / reason / why are the 4.6 member's, ``models`` holds
-    every member's and every undeclared subclass's) and log one line with the pid.
+    every member's and every undeclared subclass's) and log its reason at INFO (the hook then logs the one WARNING line of the
+    process, :func:`vllm_minicpm_hotfix.record.summary_line`, which also names undeclared subclasses).
 
     A fix already patched in this process (by this copy of the package or another) is reported as such and left
     alone. Raises only what ``fix.apply`` raises (the hook catches and logs it); the classes are then left exactly as
@@ -396,7 +401,6 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
     entry = FixStatus(name, verdict.state.value, verdict.reason, False, chosen.why, label=fix.LABEL)
     entry.models = rows
     status.fixes[name] = entry
-    version = installed_vllm_version()
     if acting:
         _ACTIVE[name] = acting
         try:
@@ -409,20 +413,13 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
             entry.why = f"applied for {', '.join(sorted(acting))} only; {own}: {chosen.why}"
         for member in acting:
             rows[member]["applied"] = True
-        # WARNING, not INFO: patching vLLM must be impossible to miss, also where vLLM has not configured its
-        # logging yet (0.32+ configures it lazily, so an INFO line from a script would be dropped).
-        logger.warning(
-            "vllm-minicpm-hotfix: %s %s PATCHED in pid %d (vLLM %s, mode %s): %s",
-            " and ".join(sorted(acting)), fix.LABEL, os.getpid(), version, mode.value, chosen.why,
-        )
-    else:
-        unsure = verdict.state in (decision.State.UNRECOGNISED, decision.State.UNDETERMINED)
-        level = logging.WARNING if unsure and mode is not decision.Mode.OFF else logging.INFO
-        logger.log(
-            level, "vllm-minicpm-hotfix: %s not applied in pid %d (vLLM %s): %s", fix.LABEL, os.getpid(), version,
-            chosen.why,
-        )
+    # INFO: the hook's one WARNING line per process (record.summary_line) names every fix applied; the reasons are
+    # here, shown with VLLM_LOGGING_LEVEL=INFO (and by `doctor`, in full).
+    logger.info(
+        "vllm-minicpm-hotfix: %s (%s) %s%s: %s", name, fix.LABEL, "PATCHED" if entry.applied else "not applied",
+        f" for {' and '.join(sorted(acting))}" if acting else "", _short(entry.why),
+    )
     for cls_name, row in unknown_subclasses(fix, module).items():
         rows[cls_name] = row
-        logger.warning("vllm-minicpm-hotfix: %s", row["why"])
+        logger.info("vllm-minicpm-hotfix: %s", row["why"])
     return entry
