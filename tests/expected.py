@@ -96,6 +96,11 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         # Every release profiles 16 frames per video while its loader samples 32.
         **{env: "broken" for env in ENVIRONMENTS},
     },
+    "video_loader": {
+        # 0.24-0.31 fall back to transformers' model_type mapping, a dict from transformers 5.19 on; 0.22 looks nothing
+        # up, 0.23 has no fallback (None), 0.32 reads the dict's "torchvision" entry.
+        **{env: ("broken" if env[0] in ("0.24.0", "0.26.0", "0.28.0", "0.30.0") else "correct") for env in ENVIRONMENTS},
+    },
     "placeholder_guard": {
         # No release compares a request's placeholder and embedding counts before the engine.
         **{env: "broken" for env in ENVIRONMENTS},

@@ -24,6 +24,7 @@ from . import (
     quantized_vision,
     video_budget,
     video_image_id_cache,
+    video_loader,
     video_tower,
 )
 
@@ -38,6 +39,7 @@ REGISTRY: tuple[ModuleType, ...] = (
     encoder_modes,
     video_tower,
     video_budget,
+    video_loader,
     placeholder_guard,
     quantized_vision,
     quant_method,
