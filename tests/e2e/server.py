@@ -1,6 +1,8 @@
 """A real ``vllm serve`` of a checkpoint on 127.0.0.1 for the e2e tests: started in its own process group through an
 entry that keeps the ``+cpu`` version (see :data:`ENTRY`), bounded in time, stopped with its whole group (API server,
-EngineCore, worker) after use, also on failure. Shared by tests/e2e/test_serve.py and tests/e2e/test_engine_serve.py.
+EngineCore, worker) after use, also on failure, and driven as users drive it: with the ``openai`` Python client (every
+vLLM environment installs it), so a refusal is an ``openai.APIStatusError`` subclass with ``.status_code`` and a
+vanished server an ``openai.APIConnectionError``. Shared by the ``vllm serve`` tests of tests/e2e/.
 """
 
 from __future__ import annotations
@@ -8,15 +10,15 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
-import json
 import os
 import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+import httpx
+import openai
 
 from conftest import TINY
 
@@ -75,6 +77,8 @@ class Server:
                  model: Path | str = TINY) -> None:
         self.port = free_port()
         self.model = str(model)
+        #: The server's ``--api-key`` (the clients of :func:`client` send it), if ``args`` give one.
+        self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - open as long as the server runs; closed by stop()
         self.proc = subprocess.Popen(
@@ -98,12 +102,8 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return True
-            except (OSError, urllib.error.URLError):
-                pass
+            if healthy(self, timeout=5):
+                return True
             time.sleep(2)
         raise TimeoutError(f"not healthy within {timeout:.0f} s; log tail:\n{self.log()[-4000:]}")
 
@@ -155,30 +155,23 @@ def png_data_url(img) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def post(server: Server, path: str, body: dict | None = None, timeout: float = 180) -> tuple[int, dict]:
-    """POST JSON to the server; ``(HTTP status, parsed body)`` -- error statuses are returned, not raised; ``0`` when
-    nothing answers (the server is gone)."""
-    req = urllib.request.Request(
-        f"{server.url}{path}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw)
-        except ValueError:
-            return exc.code, {"raw": raw.decode(errors="replace")}
-    except (urllib.error.URLError, OSError) as exc:  # no server any more: status 0
-        return 0, {"error": f"{type(exc).__name__}: {exc}"}
+def client(server: Server, *, api_key: str | None = None, timeout: float = 180) -> openai.OpenAI:
+    """The OpenAI Python client users drive ``vllm serve`` with, pointed at ``server``'s ``/v1``, with the server's
+    ``--api-key`` unless ``api_key`` is given. No retries: a 5xx or a vanished server is reported at once, as it
+    happened (openai.APIStatusError with ``.status_code``; openai.APIConnectionError when nothing answers)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key or server.api_key or "EMPTY", timeout=timeout,
+                         max_retries=0)
 
 
-def chat_body(server: Server, img, text: str = "What is in the image?", mm_processor_kwargs: dict | None = None,
-              max_tokens: int = 8) -> dict:
-    """An OpenAI chat completion with one image as a base64 data URL, greedy, exactly ``max_tokens`` tokens."""
-    body = {
+def chat_kwargs(server: Server, img, text: str = "What is in the image?", mm_processor_kwargs: dict | None = None,
+                max_tokens: int = 8) -> dict:
+    """Arguments of ``client.chat.completions.create``: one image as a base64 data URL, greedy, exactly ``max_tokens``
+    tokens; vLLM's own request fields (``ignore_eos``, ``mm_processor_kwargs``) in ``extra_body``, as the client
+    sends them."""
+    extra: dict = {"ignore_eos": True}  # a random tiny model may stop at once; we want max_tokens generated tokens
+    if mm_processor_kwargs is not None:
+        extra["mm_processor_kwargs"] = mm_processor_kwargs
+    return {
         "model": server.model,
         "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": png_data_url(img)}},
@@ -186,16 +179,37 @@ def chat_body(server: Server, img, text: str = "What is in the image?", mm_proce
         ]}],
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": True,  # a random tiny model may stop at once; we want max_tokens generated tokens
+        "extra_body": extra,
     }
-    if mm_processor_kwargs is not None:
-        body["mm_processor_kwargs"] = mm_processor_kwargs
-    return body
 
 
-def healthy(server: Server) -> bool:
+def chat(server: Server, timeout: float = 180, **kwargs):
+    """``client.chat.completions.create(**kwargs)``: the ``ChatCompletion``; a refusal raises openai.APIStatusError
+    (openai.BadRequestError for 400, ...), a vanished server openai.APIConnectionError."""
+    return client(server, timeout=timeout).chat.completions.create(**kwargs)
+
+
+def outcome(call) -> int | str:
+    """What ``call()`` got from the server: ``200``, the error status (``exc.status_code``), or ``"no server"``
+    (openai.APIConnectionError: nothing answers any more)."""
     try:
-        with urllib.request.urlopen(f"{server.url}/health", timeout=10) as r:
-            return r.status == 200
-    except (OSError, urllib.error.URLError):
+        call()
+    except openai.APIStatusError as exc:
+        return exc.status_code
+    except openai.APIConnectionError:
+        return "no server"
+    return 200
+
+
+def dev_post(server: Server, path: str, **params: str) -> int:
+    """POST to one of vLLM's development endpoints outside ``/v1`` (``/pause``, ``/resume``: ``VLLM_SERVER_DEV_MODE=1``)
+    with the same client; returns the HTTP status (raises openai.APIStatusError on an error status)."""
+    return client(server).post(f"{server.url}{path}", cast_to=httpx.Response, options={"params": params}).status_code
+
+
+def healthy(server: Server, timeout: float = 10) -> bool:
+    """``GET /health`` answers 200 (vLLM's health endpoint, outside ``/v1``, needs no key)."""
+    try:
+        return client(server, timeout=timeout).get(f"{server.url}/health", cast_to=httpx.Response).status_code == 200
+    except (openai.APIStatusError, openai.APIConnectionError):
         return False

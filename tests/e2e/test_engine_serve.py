@@ -37,11 +37,12 @@ import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 from conftest import hotfix
 
 from e2e import clean_env
-from e2e.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
+from e2e.server import HEALTHY_WITHIN_S, chat, chat_kwargs, dev_post, healthy, serving
 from vllm_minicpm_hotfix.fixes import by_name, names
 
 #: release -> family (notes: A = 0.22.x-0.23.0, B = 0.24.0, C = 0.25-0.31, D = 0.32-0.33): one release per family.
@@ -166,19 +167,22 @@ def server(pip_env, tmp_path_factory):
         yield srv
 
 
-def ok(server, body: dict) -> dict:
-    status, reply = post(server, "/v1/chat/completions", body)
-    assert status == 200, f"HTTP {status}: {json.dumps(reply)[:2000]}\nlog tail:\n{server.log()[-6000:]}"
-    assert reply["usage"]["completion_tokens"] == body["max_tokens"]
+def ok(server, kwargs: dict, timeout: float = 180):
+    """The request answered 200 (the ``openai`` client's ``ChatCompletion``) with exactly ``max_tokens`` tokens."""
+    try:
+        reply = chat(server, timeout=timeout, **kwargs)
+    except openai.APIError as exc:
+        raise AssertionError(f"{exc!r}: {getattr(exc, 'body', None)}\nlog tail:\n{server.log()[-6000:]}") from exc
+    assert reply.usage.completion_tokens == kwargs["max_tokens"]
     return reply
 
 
-def answer(reply: dict) -> tuple[str, list[str] | None]:
-    choice = reply["choices"][0]
+def answer(reply) -> tuple[str, list[str] | None]:
+    choice = reply.choices[0]
     tokens = None
-    if choice.get("logprobs") and choice["logprobs"].get("content"):
-        tokens = [t["token"] for t in choice["logprobs"]["content"]]
-    return choice["message"]["content"], tokens
+    if choice.logprobs and choice.logprobs.content:
+        tokens = [t.token for t in choice.logprobs.content]
+    return choice.message.content, tokens
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -188,39 +192,41 @@ def answer(reply: dict) -> tuple[str, list[str] | None]:
 
 def test_starts_and_answers_an_image_request(server, release):
     """The release starts with the hotfix (0.22-0.30 cannot stock) and answers an image request."""
-    reply = ok(server, chat_body(server, image(64, 64)))
-    assert reply["usage"]["prompt_tokens"] > 10
-    print(f"\nvLLM {release}: {reply['usage']} {answer(reply)[0]!r}")
+    reply = ok(server, chat_kwargs(server, image(64, 64)))
+    assert reply.usage.prompt_tokens > 10
+    print(f"\nvLLM {release}: {reply.usage} {answer(reply)[0]!r}")
 
 
 def test_engine_killing_request_is_refused_and_the_server_keeps_serving(server, kill):
     mm_kwargs, pads, rows = kill
-    body = chat_body(server, image(*KILL_SIZE), mm_processor_kwargs=mm_kwargs)
+    kwargs = chat_kwargs(server, image(*KILL_SIZE), mm_processor_kwargs=mm_kwargs)
     for attempt in ("first", "again (processor cache)"):
-        status, reply = post(server, "/v1/chat/completions", body)
-        message = json.dumps(reply)
-        print(f"\n{mm_kwargs} {attempt}: HTTP {status}: {message[:600]}")
-        assert status == 400, message
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(server, **kwargs)
+        message = json.dumps(refused.value.body)
+        print(f"\n{mm_kwargs} {attempt}: HTTP {refused.value.status_code}: {message[:600]}")
+        assert refused.value.status_code == 400, message
         assert f"image item 0 of this request has {pads} <|image_pad|> placeholder tokens" in message
         assert f"give {rows} vision embeddings" in message
     assert healthy(server)
-    reply = ok(server, chat_body(server, image(*KILL_SIZE)))
-    print(f"normal request after it: {reply['usage']}")
+    reply = ok(server, chat_kwargs(server, image(*KILL_SIZE)))
+    print(f"normal request after it: {reply.usage}")
     assert healthy(server)
 
 
 def test_concurrent_modes_each_equal_to_its_own_solo_answer(server):
     img = image(*KILL_SIZE)
     modes = {"16x": {"downsample_mode": "16x"}, "4x": {"downsample_mode": "4x"}}
-    replies: dict[str, tuple[int, dict]] = {}
+    replies: dict[str, object] = {}  # name -> ChatCompletion, or the openai.APIError the request got
 
     def ask(name: str, kwargs: dict) -> None:
-        body = chat_body(server, img, mm_processor_kwargs=kwargs)
-        body.update(logprobs=True, top_logprobs=1)
-        replies[name] = post(server, "/v1/chat/completions", body, timeout=300)
+        try:
+            replies[name] = chat(server, timeout=300, logprobs=True, top_logprobs=1,
+                                 **chat_kwargs(server, img, mm_processor_kwargs=kwargs))
+        except openai.APIError as exc:
+            replies[name] = exc
 
-    status, paused = post(server, "/pause?mode=keep")
-    assert status == 200, paused
+    assert dev_post(server, "/pause", mode="keep") == 200
     threads = [threading.Thread(target=ask, args=(n, k)) for n, k in modes.items()]
     try:
         for t in threads:
@@ -228,22 +234,21 @@ def test_concurrent_modes_each_equal_to_its_own_solo_answer(server):
         time.sleep(5)  # both requests processed by the API server and queued in the paused scheduler
         assert not replies, f"answered while paused: {replies}"
     finally:
-        status, resumed = post(server, "/resume")
-        assert status == 200, resumed
+        assert dev_post(server, "/resume") == 200
         for t in threads:
             t.join(300)
     together = {}
-    for name, (status, reply) in replies.items():
-        assert status == 200, f"{name}: HTTP {status}: {json.dumps(reply)[:2000]}\nlog:\n{server.log()[-6000:]}"
-        together[name] = (reply["usage"]["prompt_tokens"], answer(reply))
+    for name, reply in replies.items():
+        assert not isinstance(reply, openai.APIError), (
+            f"{name}: {reply!r}: {getattr(reply, 'body', None)}\nlog:\n{server.log()[-6000:]}")
+        together[name] = (reply.usage.prompt_tokens, answer(reply))
     assert healthy(server)
 
     solo = {}
     for name, kwargs in modes.items():
-        body = chat_body(server, img, mm_processor_kwargs={**kwargs, "max_slice_nums": 9})  # same output, own key
-        body.update(logprobs=True, top_logprobs=1)
-        reply = ok(server, body)
-        solo[name] = (reply["usage"]["prompt_tokens"], answer(reply))
+        request = chat_kwargs(server, img, mm_processor_kwargs={**kwargs, "max_slice_nums": 9})  # same output, own key
+        reply = ok(server, {**request, "logprobs": True, "top_logprobs": 1})
+        solo[name] = (reply.usage.prompt_tokens, answer(reply))
     print(f"\ntogether: {together}\nsolo:     {solo}")
     assert together["4x"][0] - together["16x"][0] == 60  # 80 vs 20 image pads: each request's own mode
     assert together == solo

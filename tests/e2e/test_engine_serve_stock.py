@@ -6,14 +6,13 @@ kills EngineCore with ``Attempted to assign N = N multimodal tokens to M placeho
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import pytest
 
 from e2e import clean_env
-from e2e.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
+from e2e.server import HEALTHY_WITHIN_S, chat, chat_kwargs, healthy, outcome, serving
 from e2e.test_engine_serve import KILL_SIZE, SERVE_ARGS, find_kill_request, image
 
 #: Where stock vLLM starts here (deselected elsewhere).
@@ -26,13 +25,12 @@ def test_stock_server_dies_on_the_same_request(m46, tmp_path):
     with serving(sys.executable, clean_env(PYTHONPATH=""), tmp_path, "stock", SERVE_ARGS) as srv:
         assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
         assert "PATCHED in pid" not in srv.log()
-        status, reply = post(srv, "/v1/chat/completions",
-                             chat_body(srv, image(*KILL_SIZE), mm_processor_kwargs=mm_kwargs))
-        print(f"\nstock {mm_kwargs}: HTTP {status}: {json.dumps(reply)[:400]}")
+        status = outcome(lambda: chat(srv, **chat_kwargs(srv, image(*KILL_SIZE), mm_processor_kwargs=mm_kwargs)))
+        print(f"\nstock {mm_kwargs}: {status}")
         time.sleep(2)
-        status2, reply2 = post(srv, "/v1/chat/completions", chat_body(srv, image(64, 64)))
+        status2 = outcome(lambda: chat(srv, **chat_kwargs(srv, image(64, 64))))
         alive = healthy(srv)
-        print(f"next request: HTTP {status2}: {json.dumps(reply2)[:400]}; /health: {alive}")
+        print(f"next request: {status2}; /health: {alive}")
         log = srv.log()
     assert status != 200 and status2 != 200 and not alive
     assert f"Attempted to assign {rows} = {rows} multimodal tokens to {pads} placeholders" in log, log[-6000:]

@@ -4,7 +4,7 @@ bounded in time and stopped (its whole process group) after its test, also on fa
 * stock: the server fails to start, with the error stock vLLM hits first here (with transformers >= 5.23 the
   image-processor ``TypeError`` in the API server; the ``k_proj`` load error where only the processor is fixed);
 * ``PYTHONPATH=<bundle>`` in an environment without wrapt and without the package installed: healthy, and an
-  OpenAI chat completion with a base64 image returns 200 with generated tokens;
+  OpenAI chat completion (sent with the ``openai`` client) with a base64 image returns 200 with generated tokens;
 * the wheel pip-installed (no PYTHONPATH): the same;
 * in both, the q/k/v patch is logged (``... PATCHED in pid N``) by the process that loaded the weights -- vLLM's
   worker, found from its own ``(Worker pid=N) ... Loading weights took`` line -- not only by the API server.
@@ -24,7 +24,7 @@ import pytest
 from conftest import REPO
 
 from e2e import clean_env, run_python
-from e2e.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat_body, post, serving
+from e2e.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat, chat_kwargs, serving
 
 E2E_RELEASES = ("0.28.0",)
 pytestmark = pytest.mark.placed(*E2E_RELEASES)
@@ -54,16 +54,18 @@ DOWNSAMPLE_TYPEERROR = "missing 1 required positional argument: 'downsample_mode
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def chat_with_image(server: Server) -> dict:
-    """An OpenAI chat completion with a 64x64 PNG as a base64 data URL (greedy, 8 tokens); returns the parsed 200
-    response."""
+def chat_with_image(server: Server):
+    """An OpenAI chat completion (the ``openai`` client) with a 64x64 PNG as a base64 data URL (greedy, 8 tokens);
+    returns the 200 ``ChatCompletion``."""
+    import openai
     from PIL import Image
 
     img = Image.new("RGB", (64, 64))
     img.putdata([(4 * (i % 64), 4 * (i // 64), 128) for i in range(64 * 64)])
-    status, reply = post(server, "/v1/chat/completions", chat_body(server, img))
-    assert status == 200, f"HTTP {status}: {json.dumps(reply)[:2000]}; log tail:\n{server.log()[-6000:]}"
-    return reply
+    try:
+        return chat(server, **chat_kwargs(server, img))
+    except openai.APIError as exc:
+        raise AssertionError(f"{exc!r}: {getattr(exc, 'body', None)}; log tail:\n{server.log()[-6000:]}") from exc
 
 
 def assert_patched_where_weights_loaded(server: Server) -> dict:
@@ -162,9 +164,9 @@ def test_bundle_on_pythonpath_serves_images(bare_env, bundle_dir, tmp_path):
         healthy_after = time.monotonic() - server.started_at
         reply = chat_with_image(server)
         evidence = assert_patched_where_weights_loaded(server)
-    assert reply["usage"]["completion_tokens"] == 8
-    assert reply["usage"]["prompt_tokens"] > 20  # the image's placeholder tokens are in the prompt
-    print(f"healthy after {healthy_after:.0f} s; reply {reply['choices'][0]['message']['content']!r}; {evidence}")
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.prompt_tokens > 20  # the image's placeholder tokens are in the prompt
+    print(f"healthy after {healthy_after:.0f} s; reply {reply.choices[0].message.content!r}; {evidence}")
 
 
 def test_pip_installed_serves_images(pip_env, tmp_path):
@@ -173,6 +175,6 @@ def test_pip_installed_serves_images(pip_env, tmp_path):
         healthy_after = time.monotonic() - server.started_at
         reply = chat_with_image(server)
         evidence = assert_patched_where_weights_loaded(server)
-    assert reply["usage"]["completion_tokens"] == 8
-    assert reply["usage"]["prompt_tokens"] > 20
-    print(f"healthy after {healthy_after:.0f} s; reply {reply['choices'][0]['message']['content']!r}; {evidence}")
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.prompt_tokens > 20
+    print(f"healthy after {healthy_after:.0f} s; reply {reply.choices[0].message.content!r}; {evidence}")
