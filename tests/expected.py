@@ -100,6 +100,10 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         # No release compares a request's placeholder and embedding counts before the engine.
         **{env: "broken" for env in ENVIRONMENTS},
     },
+    "request_kwargs": {
+        # No release checks a request's MiniCPM-V mm_processor_kwargs before transformers' processor runs.
+        **{env: "broken" for env in ENVIRONMENTS},
+    },
 }
 
 #: vLLM release -> the error stock vLLM raises loading a 4.6 checkpoint (None: it loads).
