@@ -421,12 +421,21 @@ def _count(items: Any, modality: str) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def model_level_kwargs(model_config: Any) -> Mapping[str, Any] | None:
+    """The model-level ``--mm-processor-kwargs``: ``model_config.multimodal_config.mm_processor_kwargs`` (vLLM keeps
+    them there; ``ModelConfig.mm_processor_kwargs`` is only an init argument on some releases)."""
+    mm_config = getattr(model_config, "multimodal_config", None)
+    kwargs = getattr(mm_config, "mm_processor_kwargs", None)
+    if kwargs is None:
+        kwargs = getattr(model_config, "mm_processor_kwargs", None)
+    return kwargs
+
+
 def check_model_level(processor: Any, model: str) -> None:
     """Check the model-level ``--mm-processor-kwargs`` once per processor (raises :class:`RequestKwargsError`)."""
     if processor.__dict__.get(_MODEL_CHECKED_ATTR):
         return
-    model_config = getattr(getattr(processor.info, "ctx", None), "model_config", None)
-    kwargs = getattr(model_config, "mm_processor_kwargs", None)
+    kwargs = model_level_kwargs(getattr(getattr(processor.info, "ctx", None), "model_config", None))
     if kwargs:
         check_kwargs(kwargs, {"min_scale": TOKEN_WINDOW * 14, "fixed": fixed_keys(), "patch": 14}, model,
                      where="--mm-processor-kwargs", model_level=True)
