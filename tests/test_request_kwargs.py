@@ -108,21 +108,31 @@ def vproc():
     return make_processor()
 
 
+#: Where vLLM hands a request's items to transformers: ``_call_hf_processor`` (0.22-0.31: transformers' processor
+#: on prompt and items) and MiniCPM-V's ``process_mm_inputs`` (every release; 0.32+ calls the image processor from
+#: there directly).
+PIXEL_WORK = ("_call_hf_processor", "process_mm_inputs")
+
+
 @contextlib.contextmanager
 def pixel_work_counter(proc):
-    """Counts calls of the processor's ``_call_hf_processor`` (where vLLM hands the items to transformers)."""
+    """Counts calls of the processor's :data:`PIXEL_WORK` methods."""
     calls = []
-    original = proc._call_hf_processor
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+    def counted(original):
+        def call(*args, **kwargs):
+            calls.append(original.__name__)
+            return original(*args, **kwargs)
 
-    proc._call_hf_processor = counted
+        return call
+
+    for name in PIXEL_WORK:
+        setattr(proc, name, counted(getattr(proc, name)))
     try:
         yield calls
     finally:
-        del proc._call_hf_processor
+        for name in PIXEL_WORK:
+            delattr(proc, name)
 
 
 def vllm_apply(proc, img, mm_kwargs: dict):
