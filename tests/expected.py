@@ -105,6 +105,10 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         # No release compares a request's placeholder and embedding counts before the engine.
         **{env: "broken" for env in ENVIRONMENTS},
     },
+    "request_kwargs": {
+        # No release checks a request's MiniCPM-V mm_processor_kwargs before transformers' processor runs.
+        **{env: "broken" for env in ENVIRONMENTS},
+    },
 }
 
 #: The family members other than 4.6 -> the environments that have them (vLLM defines their classes and transformers

@@ -22,6 +22,7 @@ from . import (
     qkv_loader,
     quant_method,
     quantized_vision,
+    request_kwargs,
     video_budget,
     video_image_id_cache,
     video_loader,
@@ -41,6 +42,7 @@ REGISTRY: tuple[ModuleType, ...] = (
     video_budget,
     video_loader,
     placeholder_guard,
+    request_kwargs,  # after the prompt fixes: its budget reads transformers' sizing as they leave it
     quantized_vision,
     quant_method,
 )

@@ -1,0 +1,144 @@
+"""The cases of the hostile-request run (tests/e2e/test_hostile.py): what a new user, a buggy client or a hostile one
+sends a MiniCPM-V ``vllm serve``, each with what a robust server must answer.
+
+Every case is a :class:`Case`: the images (built by :func:`make_image`, sent as PNG data URLs), the request's
+``mm_processor_kwargs`` and sampling fields, and the expectation:
+
+* ``"400"``: the client's mistake; the answer must be a 4xx whose message names ``cause`` (the kwarg, or the reason);
+* ``"200"``: a valid request, answered;
+* ``"no-5xx"``: valid or not depending on the value (the seeded generator's cases): 2xx or 4xx, never a 5xx.
+
+:func:`cases` returns the fixed list plus :func:`generated` (a seeded generator of kwarg values: same seed, same
+cases). Bounded: about 60 cases. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+SEED = 20261201
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str  #: the class of the issue: "type", "degenerate", "geometry", "oversized", "image", "batch", ...
+    expect: str  #: "400", "200" or "no-5xx"
+    kwargs: dict | None = None  #: mm_processor_kwargs (None: none sent)
+    images: tuple[tuple[Any, ...], ...] = ((224, 224, "RGB"),)  #: (width, height, mode) per image
+    cause: str = ""  #: what a 400's message must contain
+    extra: dict = dataclasses.field(default_factory=dict)  #: more request fields (max_tokens, n, ...)
+    concurrent: int = 1  #: sent this many times at once
+
+
+def make_image(width: int, height: int, mode: str = "RGB", seed: int = 0):
+    """A deterministic noise image of ``width x height`` in PIL ``mode``."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed * 7919 + width * 31 + height)
+    rgb = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    return rgb if mode == "RGB" else rgb.convert(mode)
+
+
+def _bad(kwargs: dict, kind: str, cause: str | None = None) -> Case:
+    ((key, value),) = kwargs.items()
+    return Case(f"{key}={value!r}", kind, "400", kwargs, cause=cause or key)
+
+
+#: The issue's classes, and the values of the hostile run's notes.
+FIXED_CASES: list[Case] = [
+    # wrong types (transformers' own type check: HTTP 500 before)
+    _bad({"slice_mode": "false"}, "type"),
+    _bad({"slice_mode": 0}, "type"),
+    _bad({"slice_mode": None}, "type"),
+    _bad({"max_slice_nums": None}, "type"),
+    _bad({"max_slice_nums": "9"}, "type"),
+    _bad({"max_slice_nums": 9.5}, "type"),
+    _bad({"max_slice_nums": True}, "type"),
+    _bad({"use_image_id": "no"}, "type"),
+    _bad({"downsample_mode": 4}, "type"),
+    _bad({"max_slice_nums": {"nested": 1}}, "type"),
+    # degenerate and out of range
+    _bad({"scale_resolution": 0}, "degenerate"),
+    _bad({"scale_resolution": -448}, "degenerate"),
+    _bad({"scale_resolution": 1}, "degenerate"),
+    _bad({"scale_resolution": 13}, "degenerate"),
+    _bad({"max_slice_nums": 0}, "degenerate"),
+    _bad({"max_slice_nums": -1}, "degenerate"),
+    _bad({"max_slice_nums": 1000}, "degenerate"),
+    _bad({"downsample_mode": "2x"}, "degenerate"),
+    # geometry the model was built with
+    _bad({"patch_size": 0}, "geometry"),
+    _bad({"patch_size": 1}, "geometry"),
+    _bad({"patch_size": 7}, "geometry"),
+    _bad({"do_resize": False}, "geometry"),
+    _bad({"image_mean": []}, "geometry"),
+    _bad({"return_tensors": "np"}, "geometry"),
+    # oversized: refused from the item's size and kwargs, before any resizing
+    Case("scale_resolution=12000", "oversized", "400", {"scale_resolution": 12000}, cause="scale_resolution"),
+    Case("scale_resolution=100000", "oversized", "400", {"scale_resolution": 100000}, cause="scale_resolution"),
+    Case("2000x1500 sliced at scale 1500", "oversized", "400", {"scale_resolution": 1500},
+         images=((2000, 1500, "RGB"),), cause="vision tokens"),
+    Case("3000x2000 slice_mode false at 1792", "oversized", "400", {"scale_resolution": 1792, "slice_mode": False},
+         images=((3000, 2000, "RGB"),), cause="vision tokens"),
+    # valid kwargs and odd but valid images: answered
+    Case("no kwargs", "valid", "200"),
+    Case("slice_mode false", "valid", "200", {"slice_mode": False}),
+    Case("max_slice_nums 1", "valid", "200", {"max_slice_nums": 1}),
+    Case("scale_resolution 56", "valid", "200", {"scale_resolution": 56}),
+    Case("downsample_mode 4x", "valid", "200", {"downsample_mode": "4x"}),
+    Case("use_image_id false", "valid", "200", {"use_image_id": False}),
+    Case("1x1 image", "image", "200", images=((1, 1, "RGB"),)),
+    Case("1x3000 strip", "image", "200", images=((1, 3000, "RGB"),)),
+    Case("3000x1 strip", "image", "200", images=((3000, 1, "RGB"),)),
+    Case("grey L", "image", "200", images=((300, 200, "L"),)),
+    Case("RGBA", "image", "200", images=((300, 200, "RGBA"),)),
+    Case("palette P", "image", "200", images=((300, 200, "P"),)),
+    Case("CMYK", "image", "200", images=((300, 200, "CMYK"),)),
+    Case("3000x3000 image", "image", "200", images=((3000, 3000, "RGB"),)),
+    # batches: two images, one request's kwargs for both; concurrent mixed requests
+    Case("two images, bad kwarg", "batch", "400", {"slice_mode": "no"}, images=((224, 224, "RGB"), (300, 200, "RGB")),
+         cause="slice_mode"),
+    Case("two images, valid kwargs", "batch", "200", {"max_slice_nums": 2},
+         images=((224, 224, "RGB"), (300, 200, "RGB"))),
+    Case("4 concurrent bad", "concurrent", "400", {"patch_size": 7}, cause="patch_size", concurrent=4),
+    Case("4 concurrent valid", "concurrent", "200", {"slice_mode": False}, concurrent=4),
+    # the processor cache: a request refused after its image was processed, then the same image, valid
+    Case("max_tokens 0", "cache", "400", None, images=((230, 170, "RGB"),), cause="max_tokens",
+         extra={"max_tokens": 0}),
+    Case("same image after max_tokens 0", "cache", "200", None, images=((230, 170, "RGB"),)),
+    Case("bad kwarg on a cached image", "cache", "400", {"scale_resolution": 13}, images=((230, 170, "RGB"),),
+         cause="scale_resolution"),
+    Case("same image after the bad kwarg", "cache", "200", None, images=((230, 170, "RGB"),)),
+]
+
+#: The seeded generator's values per key: types and ranges a fuzzing client tries.
+POOL: dict[str, list[Any]] = {
+    "max_slice_nums": [-5, 0, 1, 3, 9, 10, 64, 10**9, 2.0, "3", None, True, [], {}],
+    "scale_resolution": [-1, 0, 28, 55, 56, 57, 112, 448, 3000, 10**7, 448.0, "448", None, False, [448]],
+    "slice_mode": [True, False, 1, 0, "true", None, [], "False"],
+    "use_image_id": [True, False, 1, "yes", None],
+    "downsample_mode": ["16x", "4x", "8x", "", 16, None, "4X"],
+    "patch_size": [14, 0, 28, "14"],
+    "image_std": [[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]],
+    "resample": [0, 3, 99],
+}
+
+
+def generated(n: int = 14, seed: int = SEED) -> list[Case]:
+    """``n`` requests each setting two or three keys of :data:`POOL` to a seeded choice: never a 5xx."""
+    rng = random.Random(seed)
+    out = []
+    keys = sorted(POOL)
+    for i in range(n):
+        chosen = rng.sample(keys, rng.choice((2, 3)))
+        kwargs = {k: rng.choice(POOL[k]) for k in chosen}
+        out.append(Case(f"seeded {i}: {kwargs}", "seeded", "no-5xx", kwargs))
+    return out
+
+
+def cases() -> list[Case]:
+    return FIXED_CASES + generated()
