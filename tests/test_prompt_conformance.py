@@ -9,7 +9,10 @@ reference is ``AutoProcessor.from_pretrained`` of the same folder called with th
 *effective* kwargs (model-level overridden by the request's). (transformers 5.24 built with a model-level
 ``use_image_id=False`` ignores a call's ``use_image_id=True``; 5.19 honours it, as the effective kwargs do.)
 Two processor geometries: the bundled tiny checkpoint (patch 14, ``scale_resolution`` 112) and a copy with the real
-checkpoint's (patch 14, ``scale_resolution`` 448, ``max_slice_nums`` 9) written by this module.
+checkpoint's (patch 14, ``scale_resolution`` 448, ``max_slice_nums`` 9) written by this module. MiniCPM-V 4.7 joins
+the same tests (parameter ``real47``) where vLLM and transformers have it (0.32.0, 0.33.0): a tiny 4.7 checkpoint
+written by transformers' own 4.7 classes with the real geometry, vLLM's ``MiniCPMV4_7MultiModalProcessor`` against
+transformers' ``MiniCPMV4_7Processor`` (stock: :data:`STOCK_V47`).
 
 * With the hotfix (every fix, ``auto``): equal for >= 40 seeded image sizes x both geometries, every per-request kwarg
   (``max_slice_nums``, ``slice_mode``, ``scale_resolution``, ``downsample_mode``, ``use_image_id``), model-level
@@ -722,7 +725,8 @@ def test_concurrent_requests(m46, pairs):
 
 
 def test_subclasses_keep_vllm_behaviour(m46):
-    """A subclass of vLLM's 4.6 classes (MiniCPM-V 4.7's on 0.32+) gets vLLM's own placeholder, fix applied or not."""
+    """A subclass of vLLM's 4.6 classes that no family member owns (defined here, not in vLLM's 4.6 / 4.7 modules)
+    gets vLLM's own placeholder, fix applied or not (tests/test_family.py covers every fix)."""
     from vllm.multimodal.parse import ImageSize
 
     from vllm_minicpm_hotfix.fixes import _mm_prompt as mp

@@ -143,7 +143,8 @@ def member_probes(base, fix, module, members, own_verdict):
             continue
         try:
             v = own_verdict if view is module else fix.probe(view)
-            rows[member] = {"declared": True, "state": v.state.value, "reason": v.reason}
+            reason = base.member_reason(view, v.reason) if hasattr(base, "member_reason") else v.reason
+            rows[member] = {"declared": True, "state": v.state.value, "reason": reason}
         except BaseException as exc:  # noqa: BLE001
             rows[member] = {"declared": True, "state": "undetermined", "reason": "probe failed: " + one_line(exc)}
     try:

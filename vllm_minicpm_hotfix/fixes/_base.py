@@ -185,14 +185,29 @@ def member_view(module: ModuleType, other: ModuleType) -> ModuleType:
     tag = module.__name__.rsplit("minicpmv", 1)[-1]
     other_tag = other.__name__.rsplit("minicpmv", 1)[-1]
     view = ModuleType(other.__name__)
+    swapped: dict[str, str] = {}
     view.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
     for name, value in vars(module).items():
         if isinstance(value, type) and tag in name:
             sub = getattr(other, name.replace(tag, other_tag), None)
             if isinstance(sub, type) and issubclass(sub, value):
                 setattr(view, name, sub)
+                swapped[name] = sub.__name__
     view.__member_module__ = other
+    view.__member_names__ = swapped
     return view
+
+
+def member_reason(view: ModuleType, reason: str) -> str:
+    """A probe's ``reason`` as it reads for the member ``view`` stands for: the vLLM classes the view swapped named as
+    that member's (``MiniCPMV4_6ProcessingInfo`` -> ``MiniCPMV4_7ProcessingInfo``) and "MiniCPM-V 4.6" as the member;
+    unchanged for a module that is not a view (transformers' classes a probe names stay as they are)."""
+    names = getattr(view, "__member_names__", None)
+    if not names:
+        return reason
+    for old, new in names.items():
+        reason = reason.replace(old, new)
+    return reason.replace(DEFAULT_MODELS[0], FAMILY.get(view.__name__, DEFAULT_MODELS[0]))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -393,8 +408,8 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
         else:
             verdict = fix.probe(view)
         verdicts[member], choices[member] = verdict, decision.decide(mode, verdict)
-        rows[member] = {"declared": True, "verdict": verdict.state.value, "reason": verdict.reason,
-                        "applied": False, "why": choices[member].why}
+        rows[member] = {"declared": True, "verdict": verdict.state.value, "reason": member_reason(view, verdict.reason),
+                        "applied": False, "why": member_reason(view, choices[member].why)}
     verdict = verdicts.get(own) or decision.Verdict(decision.State.UNDETERMINED, f"{name} does not declare {own}")
     chosen = choices.get(own) or decision.decide(decision.Mode.OFF, verdict)
     acting = frozenset(m for m, c in choices.items() if c.apply)
