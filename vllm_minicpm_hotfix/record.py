@@ -23,12 +23,15 @@ class FixStatus:
     """One fix's outcome in this process."""
 
     name: str
-    verdict: str  #: broken | correct | unrecognised | undetermined | error
+    verdict: str  #: broken | correct | unrecognised | undetermined | error | deferred (probed at first use, not yet)
     reason: str
     applied: bool
     why: str  #: why it was (not) applied
     error: str | None = None  #: an exception caught inside the hook, if any
     label: str = ""  #: what the fix repairs, in words (the fix module's LABEL)
+    #: probed at the first use of its code path instead of at import (fixes._deferred): verdict ``deferred`` until
+    #: then, the real verdict after
+    first_use: bool = False
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ integration under ``contrib/``, or OpenTelemetry's one ``BaseInstrumentor`` per 
     SCOPE_CHECK: str          # optional, with SCOPE: the command that checks a checkpoint for it (default: --model)
     def probe(module) -> decision.Verdict    # behaviour of the installed code; never raises; no version strings
     def apply(module) -> None                # only through set_attributes(NAME, ...)
+    DEFER_AT: str                            # optional: probe at the first use of this entry point (_deferred)
 
 Two rules for ``probe``: it judges by running the installed code (vLLM's, transformers') on stand-ins, never by a
 version string; and re-run on a module where the fix *is* applied it must answer ``CORRECT`` -- ``doctor`` re-probes
@@ -34,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import decision
+from . import _deferred
 from ..record import FixStatus, current, installed_vllm_version, logger
 
 #: Attribute that marks a value set by a fix; its value is the fix's NAME.
@@ -188,6 +190,8 @@ def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
     was set."""
     saved = _ORIGINALS.get(fix, {})
     keys = [k for k in saved if module is None or _owner_module(k[0]) == module.__name__]
+    if keys:
+        _deferred.forget(fix)  # a trigger reverted before its first use: nothing left to probe
     undo = []
     for owner, attr in keys:
         old = saved.pop((owner, attr))
@@ -245,6 +249,10 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
         status.fixes[name] = entry
         return entry
     mode = decision.Mode(status.mode)
+    if mode is not decision.Mode.OFF and _deferred.enabled(fix):  # probed at first use of its code path
+        deferred = _deferred.defer(fix, module, mode)
+        if deferred is not None:
+            return deferred
     if mode is decision.Mode.OFF:
         verdict = decision.Verdict(decision.State.UNDETERMINED, "not probed (off)")
     else:
