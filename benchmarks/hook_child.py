@@ -1,8 +1,8 @@
 """One fresh vLLM process: what the post-import hook costs in it, per fix. Prints one JSON object (last line).
 
-    python hook_child.py REPO [eager|lazy]
+    python hook_child.py REPO|- [eager|lazy]
 
-Imports the package from ``REPO`` (the interpreter's environment does not have it installed), registers the hook
+Imports the package from ``REPO`` (``-``: as installed in the interpreter's environment), registers the hook
 (``vllm_minicpm_hotfix.install()``, as every activation path does), then ``import
 vllm.model_executor.models.minicpmv4_6`` with ``VLLM_TARGET_DEVICE=cpu``: the hook runs inside that import, as in
 vLLM's API server, EngineCore and workers. ``VLLM_MINICPM_HOTFIX`` is whatever the parent set (auto).
@@ -28,7 +28,8 @@ import time
 def main(repo: str, probes: str) -> dict:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ["VLLM_MINICPM_HOTFIX_PROBES"] = probes
-    sys.path.insert(0, repo)
+    if repo != "-":  # "-": the package installed in this environment
+        sys.path.insert(0, repo)
     out: dict = {"probes": probes, "fixes": {}}
 
     c0, w0 = time.process_time(), time.perf_counter()
@@ -61,6 +62,7 @@ def main(repo: str, probes: str) -> dict:
 
     hook.on_import = timed_on_import  # looked up by name when wrapt calls the registered hook
     vllm_minicpm_hotfix.install()
+    out["package_file"] = vllm_minicpm_hotfix.__file__
     out["install"] = {"cpu_ms": (time.process_time() - c0) * 1e3, "wall_ms": (time.perf_counter() - w0) * 1e3}
 
     import vllm.model_executor.models.minicpmv4_6  # noqa: F401 - the hook runs inside this import
