@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""The hotfix's cost, measured: interpreter start-up, import of vLLM's model module, full-size weight loading.
+"""The hotfix's cost, measured: interpreter start-up, import of vLLM's model module, full-size weight loading, the
+post-import hook per vLLM process, vLLM's multimodal processor per request, a serving engine.
 
 Run through ``benchmarks/run`` (it builds or reuses the vLLM environments with scripts/cpu-env and starts this file
 with the vLLM 0.28.0 environment's interpreter); see docs/benchmarks.md for the table and how to read it.
 
     benchmarks/run                                   # everything, default repetitions
-    benchmarks/run --startup-pairs 20 --import-pairs 1 --breakdown-runs 1 --load-pairs 1   # a quick smoke run
-    benchmarks/run --only startup,import             # a subset
+    benchmarks/run --smoke                           # every section at minimal repetitions (.ci/run)
+    benchmarks/run --only hook,request               # a subset
 
-Every figure compares A (the same interpreter and environment without the hotfix) with B (with it), measured in
-fresh processes in alternating order (AB, BA, AB, ...), as medians with their ratio B/A.
+Every figure compares A (without the hotfix, or with it reverted) with B (with it), side by side in one run, A and B
+alternating, as medians with their ratio B/A and a 95% bootstrap interval.
 
 1. start-up: ``python -c pass`` -- pip-installed (``.pth``) and bundle on ``PYTHONPATH`` (with its ``.pyc`` files,
    and, for information, a read-only bundle that never gets them).
@@ -17,6 +18,13 @@ fresh processes in alternating order (AB, BA, AB, ...), as medians with their ra
    the hotfix patches (auto), pip-installed against not installed; plus an instrumented breakdown of the added time.
 3. load: a full-size synthetic checkpoint (benchmarks/make_full_checkpoint.py) loaded through vLLM's own
    ``load_weights`` on vLLM 0.32.0 (benchmarks/load_one.py): auto (not patched there) against force-patched.
+4. hook: the post-import hook's CPU and wall time per fix in fresh processes of three releases
+   (benchmarks/hook_child.py), every probe at import (A) against as shipped, some probed at first use (B); target:
+   B's whole hook at most 30 ms of CPU.
+5. request: vLLM's multimodal processor ``apply`` per case (4 image sizes, a video, each per-request kwarg), every
+   fix reverted (A) and applied (B) alternating in one process (benchmarks/request_inproc.py), 0.32.0 and 0.33.0.
+6. serve: real ``vllm serve`` on 0.32.0, stock (A) against the hotfix pip-installed (B), default-kwarg image requests
+   at concurrency 4 (benchmarks/serve_bench.py): wall per request (1 / throughput), time to first token, server CPU.
 
 The environments with the package are throwaway overlays of the shared vLLM environment, made with the test suite's
 helpers (tests/e2e/__init__.py): the wheel built from this tree and installed with ``uv pip install --no-deps``, and a
