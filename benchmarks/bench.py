@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""The hotfix's cost, measured: interpreter start-up, import of vLLM's model module, full-size weight loading.
+"""The hotfix's cost, measured: interpreter start-up, import of vLLM's model module, full-size weight loading, the
+post-import hook per vLLM process, vLLM's multimodal processor per request, a serving engine.
 
 Run through ``benchmarks/run`` (it builds or reuses the vLLM environments with scripts/cpu-env and starts this file
 with the vLLM 0.28.0 environment's interpreter); see docs/benchmarks.md for the table and how to read it.
 
     benchmarks/run                                   # everything, default repetitions
-    benchmarks/run --startup-pairs 20 --import-pairs 1 --breakdown-runs 1 --load-pairs 1   # a quick smoke run
-    benchmarks/run --only startup,import             # a subset
+    benchmarks/run --smoke                           # every section at minimal repetitions (.ci/run)
+    benchmarks/run --only hook,request               # a subset
 
-Every figure compares A (the same interpreter and environment without the hotfix) with B (with it), measured in
-fresh processes in alternating order (AB, BA, AB, ...), as medians with their ratio B/A.
+Every figure compares A (without the hotfix, or with it reverted) with B (with it), side by side in one run, A and B
+alternating, as medians with their ratio B/A and a 95% bootstrap interval.
 
 1. start-up: ``python -c pass`` -- pip-installed (``.pth``) and bundle on ``PYTHONPATH`` (with its ``.pyc`` files,
    and, for information, a read-only bundle that never gets them).
@@ -17,6 +18,13 @@ fresh processes in alternating order (AB, BA, AB, ...), as medians with their ra
    the hotfix patches (auto), pip-installed against not installed; plus an instrumented breakdown of the added time.
 3. load: a full-size synthetic checkpoint (benchmarks/make_full_checkpoint.py) loaded through vLLM's own
    ``load_weights`` on vLLM 0.32.0 (benchmarks/load_one.py): auto (not patched there) against force-patched.
+4. hook: the post-import hook's CPU and wall time per fix in fresh processes of three releases
+   (benchmarks/hook_child.py), every probe at import (A) against as shipped, some probed at first use (B); target:
+   B's whole hook at most 30 ms of CPU.
+5. request: vLLM's multimodal processor ``apply`` per case (4 image sizes, a video, each per-request kwarg), every
+   fix reverted (A) and applied (B) alternating in one process (benchmarks/request_inproc.py), 0.32.0 and 0.33.0.
+6. serve: real ``vllm serve`` on 0.32.0, stock (A) against the hotfix pip-installed (B), default-kwarg image requests
+   at concurrency 4 (benchmarks/serve_bench.py): wall per request (1 / throughput), time to first token, server CPU.
 
 The environments with the package are throwaway overlays of the shared vLLM environment, made with the test suite's
 helpers (tests/e2e/__init__.py): the wheel built from this tree and installed with ``uv pip install --no-deps``, and a
@@ -42,13 +50,16 @@ REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "tests")]
 
 import common
-from common import compare, interleave, log, median, spawn
+from common import compare, interleave, log, median, median_ci, spawn
 
 M46 = "vllm.model_executor.models.minicpmv4_6"
 #: The hotfix's one summary line of a process that patched something (vllm_minicpm_hotfix.record.summary_line).
 PATCH_LINE = re.compile(r"vllm-minicpm-hotfix: MiniCPM-V .*, pid \d+: patched [1-9]\d* of ")
-TARGETS = {"startup": 1.03, "import": 1.01, "load_time": 1.02, "load_rss": 1.01}
-SECTIONS = ("startup", "import", "load")
+TARGETS = {"startup": 1.03, "import": 1.01, "load_time": 1.02, "load_rss": 1.01, "hook_cpu_ms": 30.0,
+           "request": 1.02, "serve": 1.02}
+SECTIONS = ("startup", "import", "load", "hook", "request", "serve")
+#: Section number of each in the table: the first three as before, then the hook, per request, serving.
+SECTION_NO = {"startup": 1, "import": 2, "load": 3, "hook": 4, "request": 5, "serve": 6}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -350,6 +361,172 @@ def bench_load(py_load: str, ckpt: Path, pairs: int, warmup: int, inproc_loads: 
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# 4. The post-import hook, per vLLM process
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def hook_overlay(python: str, work: Path, release: str) -> str:
+    """An overlay of ``python``'s environment with the wheel installed and compiled (as ``pip install`` leaves it)."""
+    from e2e import overlay_env, pip_install, site_packages
+
+    wheel = _wheel(work)
+    env = overlay_env(work / f"hook-{release}", wrapt=True, over=python)
+    pip_install(env, str(wheel))
+    subprocess.run([str(env), "-m", "compileall", "-q", str(site_packages(env) / "vllm_minicpm_hotfix")],
+                   check=True, timeout=300, stdout=subprocess.DEVNULL)
+    return str(env)
+
+
+_WHEEL: list[Path] = []
+
+
+def _wheel(work: Path) -> Path:
+    from e2e import build_wheel
+
+    if not _WHEEL:
+        _WHEEL.append(build_wheel(work / "wheel-hook"))
+    return _WHEEL[0]
+
+
+def bench_hook(pythons: dict[str, str], releases: list[str], pairs: int, work: Path) -> tuple[list[dict], dict]:
+    """Fresh processes of each release, probes deferred (B, the default) and eager (A, every probe at import)
+    alternating; each child (benchmarks/hook_child.py) times the hook inside its model-module import."""
+    script = str(HERE / "hook_child.py")
+    rows, detail = [], {}
+    for rel in releases:
+        py = hook_overlay(pythons[rel], work, rel)
+        out = str(work / f"hook-{rel}.out")
+
+        def run(probes, py=py, out=out, rel=rel):
+            r = spawn([py, script, "-", probes], child_env(), timeout=900, stdout_path=out,
+                      stderr_path=out + ".err")
+            if r.rc != 0:
+                raise RuntimeError(f"hook_child.py ({rel}, {probes}) exited {r.rc}:\n{r.stderr[-3000:]}")
+            res = json.loads(Path(out).read_text().strip().splitlines()[-1])
+            if "site-packages" not in res["package_file"]:
+                raise RuntimeError(f"hook_child.py ({rel}) used {res['package_file']}, not the installed wheel")
+            return res
+
+        log(f"hook on vLLM {rel}: {pairs} pairs of fresh processes (eager / deferred)")
+        a, b = [], []
+        for i in range(pairs):
+            for which in (("A", "B") if i % 2 == 0 else ("B", "A")):
+                (a if which == "A" else b).append(run("eager" if which == "A" else "lazy"))
+        ca, cb = [x["hook"]["cpu_ms"] for x in a], [x["hook"]["cpu_ms"] for x in b]
+        wa, wb = [x["hook"]["wall_ms"] for x in a], [x["hook"]["wall_ms"] for x in b]
+        rows.append({"key": f"hook_{rel}", "unit": "ms", "gate": "cpu", "abs_target": TARGETS["hook_cpu_ms"],
+                     "b_ci": median_ci(cb), "target": None,
+                     "title": f"post-import hook, CPU per vLLM process, vLLM {rel} (A: every probe at import; "
+                              f"B: as shipped, {', '.join(b[0]['first_use']['fixes']) or 'none'} probed at first use)",
+                     "cpu": compare(ca, cb), "wall": compare(wa, wb)})
+        names = list(b[0]["fixes"])
+        detail[rel] = {
+            "vllm": b[0].get("vllm"),
+            "install_ms": median([x["install"]["cpu_ms"] for x in b]),
+            "import_fixes_ms": median([x["import_fixes"]["cpu_ms"] for x in b]),
+            "fixes_ms": {n: {"A": median([x["fixes"][n]["cpu_ms"] for x in a]),
+                             "B": median([x["fixes"][n]["cpu_ms"] for x in b])} for n in names},
+            "status_B": b[0]["status"],
+            "first_use_ms": median([x["first_use"]["cpu_ms"] for x in b]),
+            "first_use_fixes": b[0]["first_use"]["fixes"],
+        }
+    return rows, detail
+
+
+def hook_text(detail: dict) -> str:
+    if not detail:
+        return ""
+    rels = list(detail)
+    out = ["Hook detail (CPU ms per vLLM process, medians; B as shipped / A with every probe at import; "
+           "`install`: importing the package and registering the hook, paid at `import vllm`, before the hook):", "",
+           "| piece | " + " | ".join(f"vLLM {r} B / A" for r in rels) + " |", "|---|" + "---|" * len(rels)]
+    out.append("| install (import package, register) | " + " | ".join(f"{detail[r]['install_ms']:.1f}" for r in rels)
+               + " |")
+    out.append("| import of the fix modules | " + " | ".join(f"{detail[r]['import_fixes_ms']:.1f}" for r in rels) + " |")
+    for n in detail[rels[0]]["fixes_ms"]:
+        cells = []
+        for r in rels:
+            f = detail[r]["fixes_ms"].get(n)
+            st = detail[r]["status_B"].get(n, {})
+            tag = " (first use)" if st.get("first_use") else ""
+            cells.append("-" if f is None else f"{f['B']:.1f} / {f['A']:.1f}{tag}")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    out.append("| B: paid at the first quantized model construction instead (the deferred probes, "
+               f"{', '.join(detail[rels[0]]['first_use_fixes'])}) | "
+               + " | ".join(f"{detail[r]['first_use_ms']:.1f}" for r in rels) + " |")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 5. Per request: vLLM's multimodal processor
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def bench_request(pythons: dict[str, str], releases: list[str], rounds: int, reps: int, work: Path) -> list[dict]:
+    rows = []
+    for rel in releases:
+        log(f"per request on vLLM {rel}: {rounds} alternating rounds, min of {reps} calls per case")
+        out = subprocess.run([pythons[rel], str(HERE / "request_inproc.py"), str(REPO), str(rounds), str(reps)],
+                             env=child_env(), capture_output=True, text=True, timeout=3600, cwd=work, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"request_inproc.py ({rel}) failed:\n{out.stderr[-4000:]}")
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        for name, c in res["cases"].items():
+            if c["error"]:
+                rows.append({"key": f"request_{rel}_{name}", "unit": "ms", "target": None, "gate": "cpu",
+                             "title": f"vLLM {rel}: {name}: not timed ({c['error']})", "cpu": None, "wall": None})
+                continue
+            toks = c["tokens"]
+            same = toks.get("A") == toks.get("B")
+            # where stock ignores the kwarg it builds another prompt (other work): compared for information only
+            note = "" if same else f" (stock ignores it: prompt {toks.get('A')} / {toks.get('B')} tokens, A / B)"
+            rows.append({"key": f"request_{rel}_{name}", "unit": "ms", "gate": "cpu",
+                         "target": TARGETS["request"] if same else None,
+                         "title": f"processor `apply` CPU, vLLM {rel}: {name}{note}",
+                         "cpu": compare(c["A"], c["B"]), "wall": compare(c["A_wall"], c["B_wall"])})
+        rows[-1]["applied"] = res["applied"]
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 6. A serving engine
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def bench_serve(py32: str, rounds: int, batches: int, requests: int, work: Path) -> list[dict]:
+    log(f"vllm serve on 0.32.0: {rounds} rounds (one server at a time), {batches} batches of {requests} requests, "
+        f"concurrency 4")
+    d = work / "serve"
+    d.mkdir()
+    out = subprocess.run([py32, str(HERE / "serve_bench.py"), str(d), str(rounds), str(batches), str(requests), "4"],
+                         env=child_env(), capture_output=True, text=True, timeout=7200, cwd=work, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"serve_bench.py failed:\n{out.stderr[-4000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+
+    def flat(which, key):
+        return [v for r in res[which] for v in r[key]]
+
+    return [
+        {"key": "serve_s_per_request", "unit": "ms", "target": TARGETS["serve"], "gate": "wall",
+         "title": f"`vllm serve` 0.32.0: wall per request (1 / throughput), {requests} default-kwarg image requests "
+                  f"x {batches} batches x {rounds} rounds, concurrency 4",
+         "wall": compare([v * 1e3 for v in flat("A", "s_per_request")], [v * 1e3 for v in flat("B", "s_per_request")]),
+         "cpu": compare([v * 1e3 for v in flat("A", "cpu_per_request_s")],
+                        [v * 1e3 for v in flat("B", "cpu_per_request_s")])},
+        {"key": "serve_ttft", "unit": "ms", "target": None, "gate": "wall",
+         "title": "  time to first token (median per batch)",
+         "wall": compare([v * 1e3 for v in flat("A", "ttft_s")], [v * 1e3 for v in flat("B", "ttft_s")]), "cpu": None},
+        {"key": "serve_cpu", "unit": "ms", "target": None, "gate": "cpu",
+         "title": "  server CPU per request (API server + EngineCore + worker)",
+         "cpu": compare([v * 1e3 for v in flat("A", "cpu_per_request_s")],
+                        [v * 1e3 for v in flat("B", "cpu_per_request_s")]), "wall": None},
+        {"key": "serve_started", "unit": "s", "target": None, "gate": "wall", "title": "  server start to healthy",
+         "wall": compare([r["started_s"] for r in res["A"]], [r["started_s"] for r in res["B"]]), "cpu": None},
+    ]
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -376,23 +553,45 @@ def settled(ratio: float, lo: float, hi: float, target: float | None) -> str:
     return "not settled"
 
 
+def verdict_of(r: dict) -> tuple[str, str]:
+    """``(target text, verdict)`` of a row: a ratio target on the gated figure's ratio interval, or an absolute
+    target (``abs_target``) on the interval of B's median."""
+    if r.get("abs_target"):
+        lo, hi = r.get("b_ci", (float("nan"), float("nan")))
+        g = r[r.get("gate", "wall")]
+        return f"B <= {r['abs_target']:.0f} {r['unit']}", settled(g["b_median"], lo, hi, r["abs_target"])
+    g = r.get(r.get("gate", "wall"))
+    if not r.get("target") or g is None:
+        return "(info)", ""
+    lo, hi = g["ratio_ci95"]
+    return f"<= {r['target']:.2f}", settled(g["ratio"], lo, hi, r["target"])
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| # | measurement | N | without (A) | with hotfix (B) | B - A | ratio B/A [95% CI] | CPU-time ratio | "
-            "target | |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| # | measurement | N | basis | without (A) | with hotfix (B) | B - A | ratio B/A [95% CI] | "
+            "other ratio | target | |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "wall" not in r:
+        if "wall" not in r and "cpu" not in r:
             continue
-        w, unit = r["wall"], r["unit"]
-        lo, hi = w["ratio_ci95"]
+        gate = r.get("gate", "wall")
+        g, other = r.get(gate), r.get("cpu" if gate == "wall" else "wall")
+        if g is None:
+            lines.append(f"| {r['section']} | {r['title']} | - | - | - | - | - | - | - | (info) | |")
+            continue
+        unit = r["unit"]
+        lo, hi = g["ratio_ci95"]
         ci = "" if math.isnan(lo) else f" [{lo:.3f}, {hi:.3f}]"
-        cpu = f"{r['cpu']['ratio']:.3f}" if r.get("cpu") else "-"
-        target = f"<= {r['target']:.2f}" if r["target"] else "(info)"
-        verdict = settled(w["ratio"], lo, hi, r["target"])
-        sign = "+" if w["delta"] >= 0 else "-"
+        if r.get("abs_target"):
+            blo, bhi = r["b_ci"]
+            ci = "" if math.isnan(blo) else f" (B: [{fmt(blo, unit)}, {fmt(bhi, unit)}])"
+        oth = f"{other['ratio']:.3f} ({'CPU' if gate == 'wall' else 'wall'})" if other else "-"
+        target, verdict = verdict_of(r)
+        sign = "+" if g["delta"] >= 0 else "-"
         lines.append(
-            f"| {r['section']} | {r['title']} | {w['n']} | {fmt(w['a_median'], unit)} | {fmt(w['b_median'], unit)} | "
-            f"{sign}{fmt(abs(w['delta']), unit)} | {w['ratio']:.3f}{ci} | {cpu} | {target} | {verdict} |"
+            f"| {r['section']} | {r['title']} | {g['n']} | {'CPU' if gate == 'cpu' else 'wall'} | "
+            f"{fmt(g['a_median'], unit)} | {fmt(g['b_median'], unit)} | {sign}{fmt(abs(g['delta']), unit)} | "
+            f"{g['ratio']:.3f}{ci} | {oth} | {target} | {verdict} |"
         )
     return "\n".join(lines)
 
@@ -494,7 +693,9 @@ def facts_text(facts: dict) -> str:
     m = facts["machine"]
     lines = [f"Machine: {m['cpu_count']} CPUs ({m['cpus_usable']} usable, {m['cpu_model']}), {m['mem_gib']} GiB, "
              f"Linux {m['kernel']}; load average {m['loadavg_start']} at start, {m.get('loadavg_end')} at end; "
-             f"{m['date']}; run took {m.get('elapsed_min', '?')} min."]
+             f"{m['date']}; commit {m.get('commit', '?')}; run took {m.get('elapsed_min', '?')} min."
+             + (f" Load average at the start of each new section: "
+                + ", ".join(f"{k} {v}" for k, v in m["loadavg_sections"].items()) if m.get("loadavg_sections") else "")]
     for name, e in facts["envs"].items():
         lines.append(f"{name}: Python {e['python']}, torch {e['torch']}, vLLM {e['vllm']}, transformers "
                      f"{e['transformers']}, wrapt {e['wrapt']}, safetensors {e['safetensors']}")
@@ -504,7 +705,18 @@ def facts_text(facts: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--py-load", required=True, help="interpreter of the vLLM 0.32.0 environment (load benchmark)")
-    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated subset of startup,import,load")
+    ap.add_argument("--py", action="append", default=[], metavar="RELEASE=PYTHON",
+                    help="interpreter of another release's environment (hook, request, serve; benchmarks/run sets them)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--hook-releases", default="0.22.1,0.28.0,0.33.0", help="releases of the hook benchmark")
+    ap.add_argument("--hook-pairs", type=int, default=10,
+                    help="pairs of fresh processes per release, eager and deferred probes (default 10)")
+    ap.add_argument("--request-releases", default="0.32.0,0.33.0", help="releases of the per-request benchmark")
+    ap.add_argument("--request-rounds", type=int, default=6, help="alternating rounds, per request (default 6)")
+    ap.add_argument("--request-reps", type=int, default=9, help="calls per case per round, the min kept (default 9)")
+    ap.add_argument("--serve-rounds", type=int, default=2, help="rounds of one stock and one hotfix server (default 2)")
+    ap.add_argument("--serve-batches", type=int, default=3, help="batches per server (default 3)")
+    ap.add_argument("--serve-requests", type=int, default=12, help="requests per batch (default 12)")
     ap.add_argument("--startup-pairs", type=int, default=500, help="A/B pairs per start-up comparison (default 500)")
     ap.add_argument("--startup-warmup", type=int, default=5, help="discarded start-up runs of each first (default 5)")
     ap.add_argument("--import-pairs", type=int, default=10, help="A/B pairs of the model-module import (default 10)")
@@ -527,9 +739,27 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     facts = {"machine": common.machine_facts(), "envs": {}}
+    git = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty", "--abbrev=12"],
+                         capture_output=True, text=True, check=False)
+    facts["machine"]["commit"] = git.stdout.strip() or "?"
     facts["envs"]["vLLM 0.28.0 environment (start-up, import)"] = common.env_facts(sys.executable)
-    if "load" in only:
-        facts["envs"]["vLLM 0.32.0 environment (load)"] = common.env_facts(args.py_load)
+    pythons = dict(p.split("=", 1) for p in args.py)
+    pythons.setdefault("0.32.0", args.py_load)
+    hook_rels = [r for r in args.hook_releases.split(",") if r]
+    request_rels = [r for r in args.request_releases.split(",") if r]
+    wanted = set()
+    if "load" in only or "serve" in only:
+        wanted.add("0.32.0")
+    if "hook" in only:
+        wanted.update(hook_rels)
+    if "request" in only:
+        wanted.update(request_rels)
+    missing = sorted(r for r in wanted if r not in pythons and r != "0.28.0")
+    if missing:
+        ap.error(f"no interpreter for {missing}: pass --py RELEASE=PYTHON (benchmarks/run does)")
+    pythons.setdefault("0.28.0", sys.executable)
+    for rel in sorted(wanted - {"0.28.0"}):
+        facts["envs"][f"vLLM {rel} environment"] = common.env_facts(pythons[rel])
     options = {k: v for k, v in vars(args).items() if k not in ("json",)}
     log(f"options: {options}")
 
@@ -537,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(work)  # children start in a neutral folder (a -c child has the cwd on sys.path)
     rows: list[dict] = []
     breakdown: dict = {}
+    hook_detail: dict = {}
     import_row = None
     ckpt = None
     failed: list[str] = []
@@ -561,6 +792,28 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({**r, "section": 3})
             except Exception as exc:  # noqa: BLE001
                 failed.append(f"load: {type(exc).__name__}: {exc}")
+        facts["machine"]["loadavg_sections"] = loads = {}
+        if "hook" in only:
+            loads["hook"] = [round(x, 2) for x in os.getloadavg()]
+            try:
+                hook_rows, hook_detail = bench_hook(pythons, hook_rels, args.hook_pairs, work)
+                rows.extend({**r, "section": 4} for r in hook_rows)
+            except Exception as exc:  # noqa: BLE001
+                failed.append(f"hook: {type(exc).__name__}: {exc}")
+        if "request" in only:
+            loads["request"] = [round(x, 2) for x in os.getloadavg()]
+            try:
+                rows.extend({**r, "section": 5} for r in bench_request(pythons, request_rels, args.request_rounds,
+                                                                      args.request_reps, work))
+            except Exception as exc:  # noqa: BLE001
+                failed.append(f"request: {type(exc).__name__}: {exc}")
+        if "serve" in only:
+            loads["serve"] = [round(x, 2) for x in os.getloadavg()]
+            try:
+                rows.extend({**r, "section": 6} for r in bench_serve(pythons["0.32.0"], args.serve_rounds,
+                                                                    args.serve_batches, args.serve_requests, work))
+            except Exception as exc:  # noqa: BLE001
+                failed.append(f"serve: {type(exc).__name__}: {exc}")
     finally:
         if args.keep_work:
             log(f"kept {work}")
@@ -576,13 +829,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"facts": facts, "options": options, "rows": rows,
-                                         "import_breakdown": breakdown}, indent=1, default=str))
+                                         "import_breakdown": breakdown, "hook_detail": hook_detail}, indent=1,
+                                        default=str))
         log(f"wrote {args.json}")
     print()
     print(facts_text(facts))
     print()
     print(table(rows))
-    for make in (lambda: startup_text(rows), lambda: breakdown_text(breakdown, import_row), lambda: load_text(rows)):
+    for make in (lambda: startup_text(rows), lambda: breakdown_text(breakdown, import_row), lambda: load_text(rows),
+                 lambda: hook_text(hook_detail)):
         try:
             text = make()
         except Exception as exc:  # noqa: BLE001 - a detail paragraph must not cost the table
@@ -590,10 +845,13 @@ def main(argv: list[str] | None = None) -> int:
         if text:
             print()
             print(text)
-    gated = [r for r in rows if r.get("target") and "wall" in r]
-    missed = [r["key"] for r in gated if r["wall"]["ratio"] > r["target"]]
+    verdicts = {r["key"]: verdict_of(r)[1] for r in rows if ("wall" in r or "cpu" in r)}
+    missed = [k for k, v in verdicts.items() if v == "MISSED"]
+    unsettled = [k for k, v in verdicts.items() if v == "not settled"]
     if missed:
-        log(f"targets missed: {', '.join(missed)}")
+        log(f"targets MISSED: {', '.join(missed)}")
+    if unsettled:
+        log(f"targets not settled: {', '.join(unsettled)}")
     for f in failed:
         log(f"FAILED {f}")
     return 1 if failed else 0

@@ -172,3 +172,12 @@ def machine_facts() -> dict:
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def median_ci(xs: Sequence[float], *, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``xs`` (nan, nan with fewer than 3 values)."""
+    if len(xs) < 3:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    meds = sorted(median([xs[rng.randrange(len(xs))] for _ in xs]) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]

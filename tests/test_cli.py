@@ -289,6 +289,14 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
     assert rows["qkv_completeness_guard"]["status"] == ("WARN" if guard_needed and not active else "OK")
     if guard_needed and not active:
         assert "vllm-minicpm-hotfix verify --model DIR" in rows["qkv_completeness_guard"]["detail"]
+    # quantized_vision is probed at first use (the first quantized model construction): the hook's record says so
+    # in vLLM's processes, and doctor's child probes it there as that first use would (pinned verdict, applied).
+    qv = fixes["quantized_vision"]
+    assert qv["first_use"] is active and qv["stock"] == table.verdict("quantized_vision", env), qv
+    assert qv["applied"] is (active and qv["stock"] == "broken") and qv["now"] == ("correct" if active else qv["stock"])
+    if active:
+        assert child["status"]["fixes"]["quantized_vision"]["verdict"] == "deferred"
+        assert rows["quantized_vision"]["detail"].startswith("probed at first use"), rows["quantized_vision"]
 
 
 def test_doctor_text_table(setups):

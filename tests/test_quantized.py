@@ -21,6 +21,7 @@ from vllm_build import build_vllm_model, load_checkpoint
 
 from vllm_minicpm_hotfix import decision, quant_layout
 from vllm_minicpm_hotfix.fixes import _base
+from vllm_minicpm_hotfix.fixes import _deferred
 from vllm_minicpm_hotfix.fixes import quantized_vision as qv
 
 DTYPE = "bfloat16"  # GPTQ/AWQ take half/bfloat16 activations only
@@ -252,13 +253,38 @@ def test_stock(m46, written, stock, layout):
     observed("checkpoints", layout, stock=f"fails ({'constructing the model' if stage == 'build' else 'loading'})")
 
 
-def test_probe_stock_and_patched(m46):
+def test_probe_stock_and_patched(m46, monkeypatch):
     verdict = qv.probe(m46)
     assert verdict.state is decision.State.BROKEN, verdict
     assert "model.vision_tower" in verdict.reason
-    with hotfixed(m46, "force"):
+    monkeypatch.setattr(_deferred, "EAGER", True)  # probed and applied at import, as doctor's re-probe needs
+    with hotfixed(m46, "force") as status:
+        assert not status[qv.NAME].first_use and status[qv.NAME].applied, status
         assert qv.probe(m46).state is decision.State.CORRECT
     assert qv.probe(m46).state is decision.State.BROKEN  # reverted
+
+
+def test_probe_deferred_to_first_use(m46):
+    """By default the hook does not probe: it sets a trigger on the model's ``__init__`` that hands an unquantized
+    construction to vLLM's own ``__init__`` untouched and runs the real probe at the first quantized one. Until then
+    the probe judges vLLM as shipped (the trigger is not the fix); resolving applies the fix as the hook would."""
+    model_cls = getattr(m46, qv.MODEL_CLASS)
+    stock_init = vars(model_cls)["__init__"]
+    with hotfixed(m46) as status:
+        entry = status[qv.NAME]
+        assert (entry.verdict, entry.applied, entry.first_use) == ("deferred", False, True), entry
+        assert _deferred.is_trigger(vars(model_cls)["__init__"]) and _deferred.pending(qv.NAME)
+        assert vars(model_cls)["__init__"].__wrapped__ is stock_init
+        assert qv.probe(m46).state is decision.State.BROKEN  # the trigger is not the fix
+        assert not qv.uses_path(object(), vllm_config=type("C", (), {"quant_config": None})(), prefix="")
+        assert _deferred.resolve(qv.NAME) is entry and not _deferred.pending(qv.NAME)
+        assert (entry.verdict, entry.applied) == ("broken", True), entry
+        assert vars(model_cls)["__init__"].__wrapped__ is stock_init and not _deferred.is_trigger(vars(model_cls)["__init__"])
+        assert qv.probe(m46).state is decision.State.CORRECT
+    assert vars(model_cls)["__init__"] is stock_init
+    with hotfixed(m46):  # reverted before first use: nothing left pending
+        pass
+    assert not _deferred.pending(qv.NAME) and vars(model_cls)["__init__"] is stock_init
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -312,8 +338,10 @@ def test_vit_merger_qkv_quantized(m46, written):
 def test_awq_loads_vision_exact(m46, written, layout):
     ckpt = qc.read_tensors(written[layout])
     with hotfixed(m46) as status:
-        assert status[qv.NAME].applied, status
+        # probed at first use: the hook only set the trigger; the quantized model's construction runs the probe
+        assert status[qv.NAME].verdict == "deferred" and not status[qv.NAME].applied, status
         model = build_and_load(written[layout])
+        assert status[qv.NAME].first_use and status[qv.NAME].verdict == "broken" and status[qv.NAME].applied, status
     assert assert_params_exact(model, ckpt, VISION) > 20
     assert not any(hasattr(m, "qweight") for n, m in model.named_modules() if n.startswith(VISION))
     assert assert_params_exact(model, ckpt, ("language_model.",), ("qweight", "qzeros", "scales")) >= 24

@@ -11,7 +11,7 @@ import pytest
 
 import vllm_minicpm_hotfix
 from vllm_minicpm_hotfix import decision, hook, record
-from vllm_minicpm_hotfix.fixes import REGISTRY, _base, by_name, names
+from vllm_minicpm_hotfix.fixes import REGISTRY, _base, _deferred, by_name, names
 
 
 def test_every_fix_has_the_interface():
@@ -40,10 +40,11 @@ def test_stock_verdict_is_pinned(m46, environment, name):
 
 
 @pytest.mark.parametrize("name", names())
-def test_probe_after_apply_says_correct(m46, environment, name):
+def test_probe_after_apply_says_correct(m46, environment, name, monkeypatch):
     """Where a fix applies (force), its own probe re-run on the patched classes answers ``correct``: what doctor uses
-    to verify the patched code in a fresh vLLM process."""
+    to verify the patched code in a fresh vLLM process (a fix probed at first use is probed at import here)."""
     fix = by_name(name)
+    monkeypatch.setattr(_deferred, "EAGER", True)
     old = os.environ.get(decision.ENV_VAR)
     os.environ[decision.ENV_VAR] = "force"
     record._STATUS = None
@@ -64,7 +65,10 @@ def test_probe_after_apply_says_correct(m46, environment, name):
             os.environ[decision.ENV_VAR] = old
 
 
-def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment):
+def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment, monkeypatch):
+    """Every fix probed at import (``VLLM_MINICPM_HOTFIX_PROBES=eager``: the ones probed at first use too) records
+    the pinned verdict."""
+    monkeypatch.setenv(_deferred.ENV_VAR, "eager")
     old = os.environ.pop(decision.ENV_VAR, None)
     record._STATUS = None
     try:
@@ -77,6 +81,7 @@ def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment):
             assert entry["verdict"] == want, entry
             assert entry["applied"] is (want == "broken"), entry
             assert entry["label"] == by_name(name).LABEL
+            assert entry["first_use"] is False, entry
             assert _base.is_patched(by_name(name), m46) is entry["applied"]
         # As doctor re-probes after the hook: with every fix applied (some wrap the same attribute), each applied
         # fix's own probe still answers correct.
@@ -84,6 +89,35 @@ def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment):
             if entry["applied"]:
                 after = by_name(name).probe(m46)
                 assert after.state is decision.State.CORRECT, (name, after)
+    finally:
+        _base.revert(m46)
+        record._STATUS = None
+        if old is not None:
+            os.environ[decision.ENV_VAR] = old
+
+
+def test_hook_defers_the_probes_of_unused_paths(m46, environment):
+    """By default the fixes with ``DEFER_AT`` are recorded "probed at first use" (verdict ``deferred``, not applied,
+    their trigger in place) and every other fix as pinned; resolving the deferred ones gives the pinned verdict too."""
+    old = os.environ.pop(decision.ENV_VAR, None)
+    record._STATUS = None
+    try:
+        hook.on_import(m46)
+        st = vllm_minicpm_hotfix.status()
+        deferred = [n for n in names() if getattr(by_name(n), "DEFER_AT", None)]
+        assert deferred, "no fix is probed at first use"
+        for name, entry in st["fixes"].items():
+            if name in deferred:
+                assert (entry["verdict"], entry["applied"], entry["first_use"]) == ("deferred", False, True), entry
+                assert _deferred.pending(name)
+            else:
+                assert entry["verdict"] == table.verdict(name, environment), entry
+        resolved = _deferred.resolve_all()
+        assert sorted(resolved) == sorted(deferred)
+        for name in deferred:
+            entry = vllm_minicpm_hotfix.status()["fixes"][name]
+            want = table.verdict(name, environment)
+            assert (entry["verdict"], entry["applied"], entry["first_use"]) == (want, want == "broken", True), entry
     finally:
         _base.revert(m46)
         record._STATUS = None

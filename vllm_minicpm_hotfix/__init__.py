@@ -60,7 +60,8 @@ def install() -> bool:
 def status() -> dict:
     """This process's record: ``pid``, ``mode``, ``hook_installed``, ``module_imported``, ``vllm_version`` and, once
     vLLM has imported the model module, every fix of :data:`vllm_minicpm_hotfix.fixes.REGISTRY` by ``NAME`` with its
-    ``verdict``, ``reason``, ``applied``, ``why``, ``error`` and ``label``."""
+    ``verdict``, ``reason``, ``applied``, ``why``, ``error``, ``label`` and ``first_use`` (probed at the first use
+    of its code path; ``verdict`` is ``"deferred"`` until then)."""
     from .record import current
 
     return current().as_dict()

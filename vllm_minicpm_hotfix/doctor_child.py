@@ -99,7 +99,8 @@ def probe_fixes(names, module, pkg_parent):
     """Every registered fix's probe on ``module`` as it now stands (patched or not): ``{NAME: {label, state, reason,
     applicable, patched, scope, scope_check}}`` (``scope``: the fix's ``SCOPE``, the checkpoints it is limited to, or
     None; ``scope_check``: its ``SCOPE_CHECK``, the command that checks a checkpoint for that, or None), plus
-    ``fixes_error`` if the fixes cannot be imported."""
+    ``fixes_error`` if the fixes cannot be imported. Fixes the hook left "probed at first use" are resolved first
+    (probed, applied or not, as at their first use): ``first_use`` gives ``{NAME: their record after that}``."""
     import importlib
     import importlib.util
 
@@ -113,6 +114,12 @@ def probe_fixes(names, module, pkg_parent):
     except BaseException as exc:  # noqa: BLE001 - reported, the rest of the facts still count
         out["fixes_error"] = one_line(exc)
         return out
+    try:  # fixes probed at first use of their code path: probe them now, as that first use would
+        deferred = importlib.import_module(names["package"] + ".fixes._deferred")
+        out["first_use"] = {n: {"verdict": e.verdict, "reason": e.reason, "applied": e.applied, "why": e.why,
+                                "error": e.error} for n, e in deferred.resolve_all().items()}  # fmt: skip
+    except BaseException as exc:  # noqa: BLE001
+        out["first_use_error"] = one_line(exc)
     try:
         members = base.member_modules(module)
     except BaseException:  # noqa: BLE001 - an older copy of the package without the family: 4.6 alone

@@ -28,11 +28,16 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ``now_reason`` (the probe re-run on the classes as they are after the hook); ``applied``; ``needed`` (stock is
     not correct); ``ok`` (the probe now says correct); ``hook_error``; ``why`` (the hook's decision); ``scope`` (the
     checkpoints a scoped fix is limited to, e.g. quantized ones: its verdict does not decide doctor's); ``scope_check``
-    (the command that checks a checkpoint for that scope, None: ``--model``)."""
+    (the command that checks a checkpoint for that scope, None: ``--model``); ``first_use`` (the hook defers its probe
+    to the first use of its code path; the child probed it)."""
     recorded = (child.get("status") or {}).get("fixes") or {}
+    first_use = child.get("first_use") or {}
     out: dict[str, dict[str, Any]] = {}
     for name, probe in (child.get("fixes") or {}).items():
         rec = recorded.get(name) or {}
+        deferred = bool(rec.get("first_use"))
+        if name in first_use:  # probed at first use in vLLM's processes; the child probed it as that use would
+            rec = {**rec, **first_use[name]}
         applied = bool(probe.get("patched"))
         if not applied:
             stock, stock_reason = probe["state"], probe["reason"]
@@ -46,6 +51,7 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "needed": stock != "correct", "ok": probe["state"] == "correct",
             "hook_error": rec.get("error"), "why": rec.get("why"), "scope": probe.get("scope"),
             "scope_check": probe.get("scope_check"), "models": _assess_models(probe, rec),
+            "first_use": deferred,
         }
     return out
 

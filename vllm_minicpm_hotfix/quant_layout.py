@@ -313,6 +313,9 @@ def report(folder: str | os.PathLike, *, hotfix: bool | None = None) -> dict[str
         try:
             import vllm_minicpm_hotfix
 
+            from .fixes import _deferred
+
+            _deferred.resolve("quantized_vision")  # probed at first use: this report is a use
             hotfix = bool(vllm_minicpm_hotfix.status().get("fixes", {}).get("quantized_vision", {}).get("applied"))
         except Exception:  # noqa: BLE001
             hotfix = False

@@ -12,6 +12,7 @@ integration under ``contrib/``, or OpenTelemetry's one ``BaseInstrumentor`` per 
     SCOPE_CHECK: str          # optional, with SCOPE: the command that checks a checkpoint for it (default: --model)
     def probe(module) -> decision.Verdict    # behaviour of the installed code; never raises; no version strings
     def apply(module) -> None                # only through set_attributes(NAME, ...)
+    DEFER_AT: str                            # optional: probe at the first use of this entry point (_deferred)
 
 Two rules for ``probe``: it judges by running the installed code (vLLM's, transformers') on stand-ins, never by a
 version string; and re-run on a module where the fix *is* applied it must answer ``CORRECT`` -- ``doctor`` re-probes
@@ -32,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import decision
+from . import _deferred
 from ..record import FixStatus, current, logger
 
 #: Attribute that marks a value set by a fix; its value is the fix's NAME.
@@ -325,6 +327,8 @@ def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
     was set."""
     saved = _ORIGINALS.get(fix, {})
     keys = [k for k in saved if module is None or _owner_module(k[0]) == module.__name__]
+    if keys:
+        _deferred.forget(fix)  # a trigger reverted before its first use: nothing left to probe
     undo = []
     for owner, attr in keys:
         old = saved.pop((owner, attr))
@@ -393,6 +397,21 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
         status.fixes[name] = entry
         return entry
     mode = decision.Mode(status.mode)
+    if mode is not decision.Mode.OFF and _deferred.enabled(fix):  # probed at first use of its code path
+        deferred = _deferred.defer(fix, module, mode)
+        if deferred is not None:
+            return deferred
+    return decide_and_apply(fix, module, mode)
+
+
+def decide_and_apply(fix: ModuleType, module: ModuleType, mode: decision.Mode,
+                     entry: FixStatus | None = None) -> FixStatus:
+    """Probe ``fix`` per declared family member (not under ``off``), decide, apply for the members that need it,
+    record (in ``entry`` if given, else a new :class:`FixStatus`) and log the reason at INFO: the part of
+    :func:`run` that a fix deferred to first use (:mod:`._deferred`) runs when its path is first taken. Raises only
+    what ``fix.apply`` raises."""
+    status = current()
+    name = fix.NAME
     declared = models_of(fix)
     own = FAMILY.get(module.__name__, DEFAULT_MODELS[0])
     rows: dict[str, dict[str, Any]] = {}
@@ -413,7 +432,10 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
     verdict = verdicts.get(own) or decision.Verdict(decision.State.UNDETERMINED, f"{name} does not declare {own}")
     chosen = choices.get(own) or decision.decide(decision.Mode.OFF, verdict)
     acting = frozenset(m for m, c in choices.items() if c.apply)
-    entry = FixStatus(name, verdict.state.value, verdict.reason, False, chosen.why, label=fix.LABEL)
+    if entry is None:
+        entry = FixStatus(name, verdict.state.value, verdict.reason, False, chosen.why, label=fix.LABEL)
+    else:  # a deferred fix resolved at first use: the entry status() already lists, updated in place
+        entry.verdict, entry.reason, entry.applied, entry.why = verdict.state.value, verdict.reason, False, chosen.why
     entry.models = rows
     status.fixes[name] = entry
     if acting:

@@ -43,7 +43,7 @@ from typing import Any
 
 from .. import decision, quant_layout
 from ..quant_layout import LayerRow, ModuleStorage
-from . import _base
+from . import _base, _deferred
 
 NAME = "quantized_vision"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
@@ -53,6 +53,12 @@ SETS = (f"{MODEL_CLASS}.__init__",)
 #: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
 #: given checkpoint).
 SCOPE = "quantized checkpoints"
+
+#: Probed at first use (:mod:`._deferred`): the first model construction that gets a quantization config. An
+#: unquantized checkpoint never takes this path, and the probe (an AWQ config and vLLM's quantization machinery,
+#: 0.2-0.4 s of CPU) would otherwise run in every vLLM process.
+DEFER_AT = SETS[0]
+PATH = "gets a quantization config"
 
 #: vLLM's top-level names of the vision side.
 VISION_VLLM_PREFIXES = ("vpm.", "vit_merger.", "merger.")
@@ -256,6 +262,18 @@ def check_plain_linears(model: Any, plan: VisionPlan, model_prefix: str = "") ->
         )
 
 
+def _quant_config(args: tuple, kwargs: dict) -> Any:
+    """The ``quant_config`` of the ``vllm_config`` a ``__init__(self, *, vllm_config, prefix)`` call gets."""
+    vllm_config = kwargs.get("vllm_config", args[1] if len(args) > 1 else None)
+    return getattr(vllm_config, "quant_config", None)
+
+
+def uses_path(*args: Any, **kwargs: Any) -> bool:
+    """For a call of ``MiniCPMV4_6ForConditionalGeneration.__init__`` (``self`` first): whether it builds the model
+    with a quantization config, the only construction this fix changes (:func:`wrap_init`)."""
+    return _quant_config(args, kwargs) is not None
+
+
 def wrap_init(original: Callable) -> Callable:
     """``MiniCPMV4_6ForConditionalGeneration.__init__`` that constructs the vision layers as the checkpoint stores
     them (see the module docstring). Without a quantization config it is vLLM's ``__init__`` unchanged."""
@@ -331,7 +349,8 @@ def probe(module: ModuleType) -> decision.Verdict:
     except Exception as exc:  # noqa: BLE001
         return decision.Verdict(decision.State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
     try:
-        if _base.acts_for(sys.modules[__name__], model_cls, "__init__"):
+        if _base.acts_for(sys.modules[__name__], model_cls, "__init__") and not any(
+                _deferred.is_trigger(vars(c).get("__init__")) for c in model_cls.__mro__):
             storage = {
                 "model.vision_tower.encoder.layers.0.mlp.fc1": ModuleStorage(
                     "model.vision_tower.encoder.layers.0.mlp.fc1", False, ("bias", "weight"), ("BF16", "BF16"),

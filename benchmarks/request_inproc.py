@@ -1,0 +1,148 @@
+"""Per request, in one process: CPU time of vLLM's multimodal processor with every fix applied (B) and reverted (A).
+
+    python request_inproc.py REPO ROUNDS REPS
+
+Runs in a vLLM 0.32+ environment (``ProcessorInputs`` / ``TimingContext``, as vLLM's renderer calls the processor)
+with the package imported from ``REPO``. The checkpoint is the bundled tiny one with MiniCPM-V 4.6's real processor
+geometry (patch 14, ``scale_resolution`` 448, ``max_slice_nums`` 9; a copy in a temporary folder), so the slicing,
+resizing and normalising work is the real model's. The processor is vLLM's own, made by
+``MULTIMODAL_REGISTRY.create_processor(ModelConfig(...))`` afresh after each switch (outside the timed region);
+``apply`` is timed with ``time.process_time()`` (CPU of this process) and ``perf_counter`` (wall), torch on one
+thread, no processor cache (every call does the full work).
+
+``ROUNDS`` rounds; each round measures every case in state A and in state B, the order alternating (AB, BA, ...):
+B is the post-import hook run on the model module as in vLLM's processes (``auto``), A is ``fixes._base.revert()``
+of it. Each measurement of a case is the minimum of ``REPS`` calls (the least disturbed by other load). Prints one
+JSON object (last line): per case the per-round minima of A and B, and the prompt length each state built.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = ((448, 448), (1024, 768), (1920, 1080), (4032, 3024))
+VIDEO = (4, 640, 480)  # frames, width, height
+KWARG_SIZE = (1024, 768)
+#: One request per per-request kwarg the model's processor takes (values as tests/test_prompt_conformance.py uses).
+REQUEST_KWARGS = (
+    ("max_slice_nums", 4),
+    ("slice_mode", False),
+    ("scale_resolution", 224),
+    ("downsample_mode", "4x"),
+    ("use_image_id", False),
+)
+PROMPT = "<|im_start|>user\n{mm}Describe it.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def real_geometry(repo: Path, dest: Path) -> Path:
+    src = repo / "vllm_minicpm_hotfix" / "data" / "tiny-minicpm-v46"
+    shutil.copytree(src, dest)
+    cfg_path = dest / "processor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for key in ("image_processor", "video_processor"):
+        cfg[key].update(patch_size=14, scale_resolution=448, max_slice_nums=9)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return dest
+
+
+def cases():
+    import numpy as np
+    from PIL import Image
+
+    def image(w, h):
+        rng = np.random.default_rng(w * 10007 + h)
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+    out = [(f"image {w}x{h}", "image", [image(w, h)], {}) for w, h in SIZES]
+    f, w, h = VIDEO
+    rng = np.random.default_rng(7)
+    out.append((f"video {f} frames {w}x{h}", "video", [rng.integers(0, 256, (f, h, w, 3), dtype=np.uint8)], {}))
+    kw_img = image(*KWARG_SIZE)
+    for k, v in REQUEST_KWARGS:
+        out.append((f"image {KWARG_SIZE[0]}x{KWARG_SIZE[1]}, {k}={v}", "image", [kw_img], {k: v}))
+    return out
+
+
+def make_processor(ckpt: Path):
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    return MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=str(ckpt), dtype="float32", enforce_eager=True))
+
+
+def call(proc, modality: str, items: list, kwargs: dict) -> int:
+    from vllm.multimodal.processing.context import TimingContext
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
+    tok = proc.info.get_tokenizer()
+    pad = tok.image_token if modality == "image" else tok.video_token
+    prompt = tok.encode(PROMPT.format(mm=pad * len(items)), add_special_tokens=False)
+    fields = {f.name for f in dataclasses.fields(ProcessorInputs)}
+    inputs = dict(prompt=prompt, mm_data_items=proc.info.parse_mm_data({modality: items}),
+                  hf_processor_mm_kwargs=dict(kwargs))
+    if "tokenization_kwargs" in fields:
+        inputs["tokenization_kwargs"] = {}
+    return len(proc.apply(ProcessorInputs(**inputs), TimingContext(enabled=False))["prompt_token_ids"])
+
+
+def main(repo: str, rounds: int, reps: int) -> dict:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    sys.path.insert(0, repo)
+    import torch
+
+    torch.set_num_threads(1)
+    import vllm.model_executor.models.minicpmv4_6 as m46
+
+    from vllm_minicpm_hotfix import hook, record
+    from vllm_minicpm_hotfix.fixes import _base
+
+    work = Path(tempfile.mkdtemp(prefix="vmh-request-bench."))
+    try:
+        ckpt = real_geometry(Path(repo), work / "ckpt")
+        todo = cases()
+        res = {name: {"A": [], "B": [], "A_wall": [], "B_wall": [], "tokens": {}, "error": {}} for name, *_ in todo}
+        applied: list[str] = []
+
+        def set_state(state: str):
+            _base.revert(m46)
+            record._STATUS = None
+            if state == "B":
+                hook.on_import(m46)
+                applied[:] = [n for n, e in record.current().fixes.items() if e.applied]
+            return make_processor(ckpt)
+
+        for i in range(rounds):
+            for state in (("A", "B") if i % 2 == 0 else ("B", "A")):
+                proc = set_state(state)
+                for name, modality, items, kwargs in todo:
+                    r = res[name]
+                    try:
+                        call(proc, modality, items, kwargs)  # warm: first-call costs not charged to either
+                        best_cpu = best_wall = float("inf")
+                        for _ in range(reps):
+                            c, w = time.process_time(), time.perf_counter()
+                            n = call(proc, modality, items, kwargs)
+                            best_cpu = min(best_cpu, time.process_time() - c)
+                            best_wall = min(best_wall, time.perf_counter() - w)
+                        r[state].append(best_cpu * 1e3)
+                        r[f"{state}_wall"].append(best_wall * 1e3)
+                        r["tokens"][state] = n
+                    except Exception as exc:  # noqa: BLE001 - e.g. stock refusing a kwarg: reported, not timed
+                        r["error"][state] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"[request bench] round {i + 1}/{rounds}", file=sys.stderr, flush=True)
+        _base.revert(m46)
+        import vllm
+
+        return {"vllm": getattr(vllm, "__version__", "?"), "rounds": rounds, "reps": reps, "applied": applied,
+                "cases": res}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))), flush=True)
