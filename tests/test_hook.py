@@ -255,3 +255,12 @@ def test_start_up_module_reads_the_off_switch_as_the_decision_does():
     for value in ("off", " OFF ", "0", "Disabled", "auto", "force", "", "bogus"):
         env = {decision.ENV_VAR: value}
         assert arm.disabled(env) is (decision.mode_from_env(env)[0] is decision.Mode.OFF), value
+
+
+@pytest.mark.parametrize("value, level", [(None, logging.WARNING), ("INFO", logging.INFO), ("debug", logging.DEBUG),
+                                          ("WARNING", logging.WARNING), ("nonsense", logging.WARNING)])
+def test_each_fix_reason_shows_only_when_vllm_logging_level_asks(value, level):
+    """vLLM logs at INFO by default; the hotfix's per-fix reasons (INFO) show only when ``VLLM_LOGGING_LEVEL`` is set
+    to INFO or DEBUG, so a default ``vllm serve`` log has the one WARNING line per process and nothing else."""
+    environ = {} if value is None else {"VLLM_LOGGING_LEVEL": value}
+    assert record.level_from_env(environ) == level

@@ -14,9 +14,21 @@ import sys
 import threading
 from typing import Any
 
-#: A child of vLLM's ``vllm`` logger, so our lines appear in vLLM's own log stream with its format and level
-#: (``VLLM_LOGGING_LEVEL``); without vLLM's logging they reach Python's last-resort handler at WARNING and above.
+#: A child of vLLM's ``vllm`` logger, so our lines appear in vLLM's own log stream with its format; without vLLM's
+#: logging they reach Python's last-resort handler at WARNING and above.
 logger = logging.getLogger("vllm.minicpm_hotfix")
+
+
+def level_from_env(environ: Any = None) -> int:
+    """The hotfix logger's level: what ``VLLM_LOGGING_LEVEL`` names when it is set (``INFO`` shows each fix's reason,
+    ``DEBUG`` more), else ``WARNING`` -- vLLM's own default is INFO, and the hotfix's default is its one WARNING
+    line per process (:func:`summary_line`), not a line per fix. An unknown name counts as unset."""
+    value = (os.environ if environ is None else environ).get("VLLM_LOGGING_LEVEL", "").strip().upper()
+    level = logging.getLevelName(value) if value else None
+    return level if isinstance(level, int) else logging.WARNING
+
+
+logger.setLevel(level_from_env())
 
 
 @dataclasses.dataclass
