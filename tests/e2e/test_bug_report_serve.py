@@ -311,7 +311,7 @@ def test_wrong_api_key_is_refused(server):
     assert [m.id for m in client(server).models.list().data] == [server.model]
 
 
-def test_wrong_kwarg_is_refused(server, release):
+def test_wrong_kwarg_is_refused(server):
     with pytest.raises(openai.BadRequestError) as refused:
         chat(server, model=server.model, messages=messages(picture()), tools=TOOLS, max_tokens=8,
              tool_choice={"type": "function", "function": {"name": "not_offered"}})
