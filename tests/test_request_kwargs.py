@@ -108,9 +108,9 @@ def vproc():
     return make_processor()
 
 
-#: Where vLLM hands a request's items to transformers: ``_call_hf_processor`` (0.22-0.31: transformers' processor
-#: on prompt and items) and MiniCPM-V's ``process_mm_inputs`` (every release; 0.32+ calls the image processor from
-#: there directly).
+#: Where vLLM hands a request's items to transformers: ``_call_hf_processor`` (transformers' processor on prompt and
+#: items, where the release has it) and MiniCPM-V's ``process_mm_inputs`` (every release; 0.30+ calls the image
+#: processor from there directly).
 PIXEL_WORK = ("_call_hf_processor", "process_mm_inputs")
 
 
@@ -126,12 +126,14 @@ def pixel_work_counter(proc):
 
         return call
 
-    for name in PIXEL_WORK:
+    present = [name for name in PIXEL_WORK if callable(getattr(proc, name, None))]
+    assert present, f"vLLM's processor has none of {PIXEL_WORK}"
+    for name in present:
         setattr(proc, name, counted(getattr(proc, name)))
     try:
         yield calls
     finally:
-        for name in PIXEL_WORK:
+        for name in present:
             delattr(proc, name)
 
 

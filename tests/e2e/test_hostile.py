@@ -49,8 +49,8 @@ if has_serve_flag("trust_request_mm_kwargs"):
 #: The largest item one request may bring under SERVE_ARGS: max_model_len 1024 vision tokens, 16 x 14**2 pixels per
 #: token and channel, float32 RGB (request_kwargs.item_limit): 1024 * 16 * 196 * 3 * 4 bytes = 38.5 MB.
 LARGEST_ITEM_BYTES = 1024 * 16 * 14 * 14 * 3 * 4
-#: The largest image the cases send, decoded (3000 x 3000 RGB): vLLM's media loading, before any hotfix check.
-LARGEST_DECODED_BYTES = 3000 * 3000 * 3
+#: The largest image the cases send, decoded (3000 x 2000 RGB): vLLM's media loading, before any hotfix check.
+LARGEST_DECODED_BYTES = 3000 * 2000 * 3
 #: The stated bound on the API server's peak RSS above idle over the run (docs/what-can-go-wrong.md).
 RSS_BOUND = 8 * (LARGEST_ITEM_BYTES + LARGEST_DECODED_BYTES)
 #: The follow-up request of vLLM's own cache drift (module docstring).

@@ -149,10 +149,6 @@ def fixed_keys(image_processor: Any = None) -> frozenset[str]:
     return frozenset((FIXED | declared) - set(SIZING) - VIDEO_SAMPLING)
 
 
-def _type_name(t: type) -> str:
-    return {int: "an integer", bool: "a boolean (true or false)", str: "a string"}[t]
-
-
 def _is(value: Any, t: type) -> bool:
     if t is int:
         return isinstance(value, int) and not isinstance(value, bool)
@@ -188,7 +184,8 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
     Args:
         kwargs: the request's (or the model-level) ``mm_processor_kwargs``; keys not declared by the processor are
             left alone (vLLM's and transformers' to judge).
-        geometry: :func:`geometry_of` the processor (bounds; ``None`` bounds are not checked).
+        geometry: :func:`geometry_of` the processor (bounds; ``None`` bounds are not checked; with ``types_only``
+            only the types and the fixed keys are).
         model: the family member named in the message.
         where: the name shown for the mapping (``"mm_processor_kwargs"``, ``"--mm-processor-kwargs"``).
         model_level: ranges are the model's own (no upper bounds from the profile, which follows them).
@@ -224,6 +221,8 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
             raise RequestKwargsError(
                 f"{model}: {name} = {value!r} ({type(value).__name__}) is refused: it must be {allowed[key]}",
                 kwarg=name, value=value)
+        if geometry.get("types_only"):
+            continue
         bad = False
         if model_level:
             geometry = {**geometry, "max_slices": None, "max_scale": None}
@@ -449,7 +448,7 @@ def check_request(processor: Any, inputs: Any) -> None:
     request = dict(getattr(inputs, "hf_processor_mm_kwargs", None) or {})
     if request:
         # The type and fixed-key checks need no bounds: run them before reading the profile.
-        check_kwargs(request, {"min_scale": 0, "fixed": fixed_keys()}, model)
+        check_kwargs(request, {"types_only": True, "fixed": fixed_keys()}, model)
         check_kwargs(request, geometry_of(processor), model)
         # Without request kwargs every item costs what stock vLLM makes of it (its own limits judge it).
         check_items(processor, getattr(inputs, "mm_data_items", None), request, model)
