@@ -15,6 +15,7 @@ from types import ModuleType
 from . import (
     encoder_modes,
     hf_processor_version,
+    lora_support,
     mm_placeholders,
     placeholder_guard,
     processor_mode,
@@ -43,6 +44,7 @@ REGISTRY: tuple[ModuleType, ...] = (
     placeholder_guard,
     quantized_vision,
     quant_method,
+    lora_support,
 )
 
 
