@@ -15,15 +15,17 @@ reads, are the same in 0.22-0.24 already, and so is the LoRA machinery that read
 What the fix does
 -----------------
 It sets on ``MiniCPMV4_6ForConditionalGeneration`` what inheriting ``SupportsLoRA`` gives the class in 0.25+: the
-protocol's class attributes the class does not define yet (``supports_lora = True`` and, as the installed protocol
-declares them, ``embedding_modules = {}``, ``is_3d_moe_weight = False``, ``is_non_gated_moe = False``,
-``lora_skip_prefixes = []``), each with the protocol's own default (a fresh copy of a dict or list). The class's
+protocol's members the class does not define yet (``supports_lora = True`` and, as the installed protocol declares
+them, ``embedding_modules = {}``, ``is_3d_moe_weight = False``, ``is_non_gated_moe = False``,
+``lora_skip_prefixes = []``, each the protocol's own default, a fresh copy of a dict or list; ``lora_manager = None``
+where the protocol only annotates it, 0.24+, until vLLM's ``LoRAModelManager`` sets it on the instance). The class's
 ``packed_modules_mapping`` and ``get_mm_mapping`` stay vLLM's. 4.7 (vLLM 0.32+) inherits ``SupportsLoRA`` itself.
 
 The decision
 ------------
 :func:`probe` asks the installed ``supports_lora`` about the class: ``broken`` if it says no (0.22-0.24),
-``correct`` if yes (0.25+); ``unrecognised`` (not applicable) if the class, vLLM's ``SupportsLoRA`` or
+``correct`` if yes (0.25+), for the class and for an instance (created without ``__init__``: the model runner
+checks the built model, which on 0.24 must also have ``lora_manager``); ``unrecognised`` (not applicable) if the class, vLLM's ``SupportsLoRA`` or
 ``supports_lora``, or the class's ``packed_modules_mapping`` / ``get_mm_mapping`` (without which no LoRA manager can
 wrap the model) are not there.
 
@@ -47,7 +49,8 @@ MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 INTERFACES = "vllm.model_executor.models.interfaces"
 #: The class attributes vLLM's ``SupportsLoRA`` protocol declares (0.22-0.33); those the installed protocol has and
 #: the class lacks are set.
-ATTRIBUTES = ("supports_lora", "embedding_modules", "is_3d_moe_weight", "is_non_gated_moe", "lora_skip_prefixes")
+ATTRIBUTES = ("supports_lora", "embedding_modules", "is_3d_moe_weight", "is_non_gated_moe", "lora_skip_prefixes",
+              "lora_manager")
 SETS = tuple(f"{MODEL_CLASS}.{attr}" for attr in ATTRIBUTES)
 #: vLLM 0.32+ defines 4.7 with SupportsLoRA through its 4.6 base: nothing to declare there.
 MODELS = ("MiniCPM-V 4.6",)
@@ -73,12 +76,18 @@ def _targets(module: ModuleType) -> tuple[type, type, Any] | str:
 
 
 def declared(cls: type, protocol: type) -> dict[str, Any]:
-    """The protocol's class attributes (of :data:`ATTRIBUTES`) that ``cls`` lacks -> the value to set: the
-    protocol's own default, copied; ``supports_lora`` (True) always, on the class itself."""
+    """The protocol's members (of :data:`ATTRIBUTES`) that ``cls`` lacks -> the value to set: the protocol's own
+    default, copied; None for a member it only annotates (``lora_manager``, 0.24+: vLLM's ``LoRAModelManager`` sets
+    it on the instance); ``supports_lora`` (True) always, on the class itself."""
     out: dict[str, Any] = {"supports_lora": True}
+    annotated = getattr(protocol, "__annotations__", {})
     for attr in ATTRIBUTES:
-        if attr in vars(protocol) and not hasattr(cls, attr):
+        if hasattr(cls, attr):
+            continue
+        if attr in vars(protocol):
             out.setdefault(attr, copy.copy(vars(protocol)[attr]))
+        elif attr in annotated:
+            out.setdefault(attr, None)
     return out
 
 
@@ -98,7 +107,8 @@ def probe(module: ModuleType) -> Verdict:
         return Verdict(State.UNRECOGNISED, found, applicable=False)
     cls, _, check = found
     try:
-        ok = bool(check(cls))
+        # The class, and an instance (created without __init__) as the model runner checks the built model.
+        ok = bool(check(cls)) and bool(check(object.__new__(cls)))
     except Exception as exc:  # noqa: BLE001
         return Verdict(State.UNDETERMINED, f"supports_lora({MODEL_CLASS}) failed: {type(exc).__name__}: {exc}")
     if not ok:
