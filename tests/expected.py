@@ -101,6 +101,10 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         # up, 0.23 has no fallback (None), 0.32 reads the dict's "torchvision" entry.
         **{env: ("broken" if env[0] in ("0.24.0", "0.26.0", "0.28.0", "0.30.0") else "correct") for env in ENVIRONMENTS},
     },
+    "lora_support": {
+        # 0.25 adds SupportsLoRA to the 4.6 class's bases (vLLM #46740); 0.22-0.24 refuse --enable-lora.
+        **{env: ("broken" if env[0] in ("0.22.1", "0.23.0", "0.24.0") else "correct") for env in ENVIRONMENTS},
+    },
     "placeholder_guard": {
         # No release compares a request's placeholder and embedding counts before the engine.
         **{env: "broken" for env in ENVIRONMENTS},

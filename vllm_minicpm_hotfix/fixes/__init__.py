@@ -15,6 +15,7 @@ from types import ModuleType
 from . import (
     encoder_modes,
     hf_processor_version,
+    lora_support,
     mm_placeholders,
     placeholder_guard,
     processor_mode,
@@ -45,6 +46,7 @@ REGISTRY: tuple[ModuleType, ...] = (
     request_kwargs,  # after the prompt fixes: its budget reads transformers' sizing as they leave it
     quantized_vision,
     quant_method,
+    lora_support,
 )
 
 
