@@ -148,9 +148,9 @@ def summary_line(status: Status, registry: list[str]) -> str:
     line stays under 300 characters for any subset of 12 fixes applied (where every probe reached a verdict). Fixes left alone because their probe could not tell
     (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that raised inside the hook as
     ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way; subclasses of the patched
-    classes that no family member owns (a model vLLM added after this package) as ``; not covered: CLASSES``, and
-    fixes whose probe waits for the first use of their code path (``fixes._deferred``) as ``; probed at first use:
-    NAMES``. Each fix's reason is an INFO line
+    classes that no family member owns (a model vLLM added after this package) as ``; not covered: CLASSES``. A fix
+    whose probe waits for the first use of its code path (``fixes._deferred``) is not listed until then (``status()``
+    and ``doctor`` say "probed at first use"). Each fix's reason is an INFO line
     (``VLLM_LOGGING_LEVEL=INFO``); :data:`SUMMARY_PATTERN` parses the line. Pure: reads ``status`` only.
     """
     fixes = status.fixes
@@ -163,11 +163,9 @@ def summary_line(status: Status, registry: list[str]) -> str:
     # fix that would reach them hands them to vLLM, and says so here and in doctor.
     uncovered = sorted({key for n in registry if n in fixes for key, row in (fixes[n].models or {}).items()
                         if isinstance(row, dict) and row.get("unknown")})
-    later = [n for n in registry if n in fixes and fixes[n].first_use and fixes[n].verdict == "deferred"]
     rest = (f"; could not tell: {_render(unsure, registry)}" if unsure else "") + (
         f"; failed: {_render(failed, registry)}" if failed else "") + (
-        f"; not covered: {', '.join(uncovered)}" if uncovered else "") + (
-        f"; probed at first use: {_render(later, registry)}" if later else "")
+        f"; not covered: {', '.join(uncovered)}" if uncovered else "")
     if status.models:
         numbers = [m.split()[-1] for m in status.models]
         models = f"MiniCPM-V {'/'.join(numbers)}"
