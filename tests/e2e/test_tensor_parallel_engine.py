@@ -9,7 +9,7 @@ overlay environment (its ``.pth`` arms it in every process vLLM spawns), in the 
 * every rank loads: two ranks answer vLLM's ``collective_rpc``, each from the pid vLLM's own log names for that rank
   (``(Worker_TPn pid=N) ... Starting to load model``), and each rank's vit_merger ``qkv_proj.bias`` is its head slice of
   q, then k, then v of the checkpoint (bf16), not another rank's or a swapped shard;
-* where this release's q/k/v loading is broken, the log shows ``vit_merger q/k/v loader PATCHED in pid N`` for each
+* where this release's q/k/v loading is broken, the log shows a summary line naming ``qkv_loader`` (``... pid N: patched ...``) for each
   rank's pid (once per process) and each rank's status says applied; where it is correct, no rank patched q/k/v;
 * the greedy tokens for a text chat and two image chats equal the TP=1 run's, their top-5 log-probabilities agree
   within 0.05 (bf16 sums reduced in another order), and the two images move them by more than that.
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hotfix_log import patched_pids
 import torch
 from conftest import REPO, TINY
 from vllm_build import checkpoint_tensors
@@ -57,7 +58,6 @@ ENGINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-QKV_PATCHED = re.compile(r"vit_merger q/k/v loader PATCHED in pid (\d+)")
 RANK_LOADS = re.compile(r"\(Worker_TP(\d+) pid=(\d+)\)[^\n]*Starting to load model")
 
 
@@ -129,14 +129,14 @@ def test_each_rank_holds_its_head_slice_of_q_k_v(tp2):
 
 def test_each_rank_patched_in_its_own_pid(tp2, expected):
     result, log = tp2
-    patched = [int(p) for p in QKV_PATCHED.findall(log)]
+    patched = [int(p) for p in patched_pids(log, "qkv_loader")]
     assert len(patched) == len(set(patched)), f"patched twice in one process: {patched}"
     for r in result["ranks"]:
         fix = r["status"]["fixes"]["qkv_loader"]
         assert r["status"]["pid"] == r["pid"]
         if expected[0] == "broken":
             assert fix["applied"] is True and fix["verdict"] == "broken", fix
-            assert r["pid"] in patched, f"rank {r['tp_rank']} (pid {r['pid']}): no 'PATCHED in pid {r['pid']}' {patched}"
+            assert r["pid"] in patched, f"rank {r['tp_rank']} (pid {r['pid']}): no summary line of pid {r['pid']} naming qkv_loader: {patched}"
         else:
             assert fix["applied"] is False and r["pid"] not in patched, fix
     print(f"\nq/k/v patched in pids {patched}; ranks {[r['pid'] for r in result['ranks']]}")
