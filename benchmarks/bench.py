@@ -54,7 +54,7 @@ from common import compare, interleave, log, median, median_ci, spawn
 
 M46 = "vllm.model_executor.models.minicpmv4_6"
 #: The hotfix's one summary line of a process that patched something (vllm_minicpm_hotfix.record.summary_line).
-PATCH_LINE = re.compile(r"vllm-minicpm-hotfix: MiniCPM-V .*, pid \d+: patched [1-9]\d* of ")
+PATCH_LINE = re.compile(r"vllm-minicpm-hotfix: MiniCPM-V .*, pid \d+: patched [1-9]\d*/")
 TARGETS = {"startup": 1.03, "import": 1.01, "load_time": 1.02, "load_rss": 1.01, "hook_cpu_ms": 30.0,
            "request": 1.02, "serve": 1.02}
 SECTIONS = ("startup", "import", "load", "hook", "request", "serve")

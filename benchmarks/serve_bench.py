@@ -35,7 +35,7 @@ from request_inproc import real_geometry  # noqa: E402
 IMAGE = (1024, 768)
 MAX_TOKENS = 8
 #: The hotfix's one summary line of a process that patched something (vllm_minicpm_hotfix.record.summary_line).
-PATCHED = re.compile(r"vllm-minicpm-hotfix: MiniCPM-V .*, pid \d+: patched [1-9]\d* of ")
+PATCHED = re.compile(r"vllm-minicpm-hotfix: MiniCPM-V .*, pid \d+: patched [1-9]\d*/")
 
 
 def serve_args(concurrency: int) -> list[str]:

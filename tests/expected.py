@@ -120,9 +120,13 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
 #: ``status()["fixes"][NAME]["models"][member]["verdict"]`` records), or "n/a" where the fix does not declare the
 #: member. MiniCPM-V 4.7 on 0.32.0 / 0.33.0: measured equal to 4.6's verdict for every fix that declares it (4.7
 #: inherits every method the fixes set; its overrides call super()).
+#: The fixes that do not declare MiniCPM-V 4.7 (their 4.7 row is "n/a"): 4.7's videos have no local <image_id> to
+#: renumber; the video loader name and LoRA declaration are fixed on the releases that have no 4.7 (0.22-0.30).
+NOT_ON_47 = {"video_image_id_cache", "video_loader", "lora_support"}
+
 MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
     "MiniCPM-V 4.7": {
-        env: {fix: ("n/a" if fix == "video_image_id_cache" else block[env]) for fix, block in VERDICTS.items()}
+        env: {fix: ("n/a" if fix in NOT_ON_47 else block[env]) for fix, block in VERDICTS.items()}
         for env in (("0.32.0", "5.19.0"), ("0.33.0", "5.20.2"))
     },
 }

@@ -124,6 +124,17 @@ def test_wrappers_hand_undeclared_classes_to_vllm(m46):
     }  # every fix with a wrapper on a model, processing-info or processor class
     acted = []
     for fix, owner, attr, cls in cases:
+        if not callable(getattr(owner, attr, None)):  # a data attribute (lora_support's): the class sees stock's
+            before = getattr(cls, attr, _base._MISSING)
+            fix.apply(m46)
+            try:
+                after = getattr(cls, attr, _base._MISSING)
+            finally:
+                _base.revert_fix(fix.NAME)
+            if after is not before and after != before:
+                acted.append(f"{fix.NAME}: {owner.__name__}.{attr} is {after!r} for {_base.class_name(cls)}, stock "
+                             f"{before!r}")
+            continue
         calls, args, kwargs, got = _call_through(fix, m46, owner, attr, cls)
         ok = len(calls) == 1 and calls[0][0] == args and calls[0][1] == kwargs and (
             got is calls[0][2] or (attr == "__init__" and got is None))

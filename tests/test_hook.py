@@ -198,7 +198,7 @@ def test_the_hook_logs_one_warning_line_per_process(m46, expected, monkeypatch, 
 
 
 def test_summary_line_stays_short_for_any_set_of_fixes():
-    """Every subset of the 12 fixes, with the longest values a real process has: under 300 characters, one line,
+    """Every subset of the fixes, with the longest values a real process has: under 300 characters, one line,
     and parsed back to the same subset."""
     import itertools
 

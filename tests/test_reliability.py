@@ -716,7 +716,7 @@ def test_unrecognised_vllm_layout_real_interpreter(tmp_path, mode):
     lines = [line for line in log.splitlines() if line.startswith("vllm-minicpm-hotfix:")]
     # one warning line for the process (Python's last-resort handler prints WARNING and above: the reasons, at INFO,
     # are not shown), naming what the record says: nothing applied under auto (force applies the fixes whose probe
-    # found their target, e.g. quantized_vision on the model class), the others left alone as "could not tell"
+    # found their target), the others left alone as "could not tell"
     from vllm_minicpm_hotfix.fixes import names
 
     assert len(lines) == 1, log
@@ -725,7 +725,11 @@ def test_unrecognised_vllm_layout_real_interpreter(tmp_path, mode):
     rec = out["status"]["fixes"]
     applied = [n for n in names() if rec[n]["applied"]]
     assert summary["applied"] == applied and (mode == "force" or applied == []), log
-    assert summary["could_not_tell"] == [n for n in names() if n not in applied], log
+    # Not "could not tell": video_loader judges vLLM's serving code, which this stand-in has none of (correct, not
+    # applicable), and quantized_vision waits for the first model built with a quant config (deferred).
+    others = {n: rec[n]["verdict"] for n in names() if n not in applied and n not in summary["could_not_tell"]}
+    assert others == {"video_loader": "correct", "quantized_vision": "deferred"}, (others, log)
+    assert not rec["video_loader"]["applied"] and rec["quantized_vision"]["first_use"]
     assert all(rec[n]["verdict"] in ("unrecognised", "undetermined") for n in summary["could_not_tell"])
     assert out["status"]["fixes"]["qkv_completeness_guard"]["why"].startswith("layout not recognised")
     assert "torch" not in out["names"] and "Traceback" not in log

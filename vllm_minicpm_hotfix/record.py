@@ -105,7 +105,7 @@ SUMMARY_PREFIX = "vllm-minicpm-hotfix: "
 #: ``; failed: ...`` or empty).
 SUMMARY_PATTERN = re.compile(
     r"vllm-minicpm-hotfix: (?P<models>MiniCPM-V [^,]+|no MiniCPM-V model), vLLM (?P<vllm>\S+), mode (?P<mode>\w+), "
-    r"pid (?P<pid>\d+): patched (?P<applied>\d+) of (?P<total>\d+) fixes \((?P<names>[^)]*)\)(?P<rest>(; [^;]+)*); "
+    r"pid (?P<pid>\d+): patched (?P<applied>\d+)/(?P<total>\d+) \((?P<names>[^)]*)\)(?P<rest>(; [^;]+)*); "
     r"details: vllm-minicpm-hotfix doctor$",
     re.MULTILINE,
 )
@@ -140,12 +140,12 @@ def summary_line(status: Status, registry: list[str]) -> str:
 
     ``registry``: every fix's ``NAME`` in registry order (:func:`vllm_minicpm_hotfix.fixes.names`). The line is::
 
-        vllm-minicpm-hotfix: MiniCPM-V 4.6/4.7, vLLM 0.32.0, mode auto, pid 16684: patched 9 of 12 fixes (all but
+        vllm-minicpm-hotfix: MiniCPM-V 4.6/4.7, vLLM 0.32.0, mode auto, pid 16684: patched 9/12 (all but
         qkv_loader, processor_downsample_mode, encoder_modes); details: vllm-minicpm-hotfix doctor
 
     (one line; wrapped here). The applied fixes are named by ``NAME``: ``all``, ``none`` (``none: off`` under
     ``VLLM_MINICPM_HOTFIX=off``), their list, or ``all but`` the list of the others, whichever is shorter -- so the
-    line stays under 300 characters for any subset of 12 fixes applied (where every probe reached a verdict). Fixes left alone because their probe could not tell
+    line stays under 300 characters for any subset of 15 fixes applied (where every probe reached a verdict). Fixes left alone because their probe could not tell
     (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that raised inside the hook as
     ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way; subclasses of the patched
     classes that no family member owns (a model vLLM added after this package) as ``; not covered: CLASSES``. A fix
@@ -172,7 +172,7 @@ def summary_line(status: Status, registry: list[str]) -> str:
     else:
         models = "no MiniCPM-V model"
     return (f"{SUMMARY_PREFIX}{models}, vLLM {status.vllm_version}, mode {status.mode}, pid {status.pid}: patched "
-            f"{len(applied)} of {len(registry)} fixes ({names}){rest}; details: vllm-minicpm-hotfix doctor")
+            f"{len(applied)}/{len(registry)} ({names}){rest}; details: vllm-minicpm-hotfix doctor")
 
 
 def log_summary(status: Status, registry: list[str]) -> bool:

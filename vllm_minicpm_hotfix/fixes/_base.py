@@ -400,6 +400,7 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
     if mode is not decision.Mode.OFF and _deferred.enabled(fix):  # probed at first use of its code path
         deferred = _deferred.defer(fix, module, mode)
         if deferred is not None:
+            deferred.models.update(unknown_subclasses(fix, module))  # said now, not only at first use
             return deferred
     return decide_and_apply(fix, module, mode)
 

@@ -106,8 +106,8 @@ def defer(fix: ModuleType, module: ModuleType, mode: decision.Mode) -> FixStatus
     with _LOCK:
         _PENDING[name] = (fix, module)
     current().fixes[name] = entry
-    logger.info("vllm-minicpm-hotfix: %s %s in pid %d (vLLM %s)", fix.LABEL, FIRST_USE, os.getpid(),
-                installed_vllm_version())
+    logger.info("vllm-minicpm-hotfix: %s (%s) %s: the first %s that %s", name, fix.LABEL, FIRST_USE, fix.DEFER_AT,
+                fix.PATH)
     return entry
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -91,13 +92,29 @@ def declared(cls: type, protocol: type) -> dict[str, Any]:
     return out
 
 
+class ForMembers:
+    """A class attribute that exists only for the family members this fix declares (:data:`MODELS`): read on such a
+    class or its instance it is ``value``; on any other subclass (a model vLLM added after this package) it raises
+    ``AttributeError``, which is what that class saw without the fix (vLLM 0.22-0.24 define none of these)."""
+
+    def __init__(self, attr: str, value: Any) -> None:
+        self.attr, self.value = attr, value
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if _base.covers(sys.modules[__name__], cls if cls is not None else type(obj)):
+            return self.value
+        raise AttributeError(f"{self.attr} (lora_support does not cover {(cls or type(obj)).__name__})")
+
+
 def apply(module: ModuleType) -> None:
-    """Set the protocol's attributes on ``module.MiniCPMV4_6ForConditionalGeneration`` (all or nothing)."""
+    """Set the protocol's attributes on ``module.MiniCPMV4_6ForConditionalGeneration`` (all or nothing), each as a
+    :class:`ForMembers` so that only the declared members see them."""
     found = _targets(module)
     if isinstance(found, str):
         raise RuntimeError(found)
     cls, protocol, _ = found
-    _base.set_attributes(NAME, [(cls, attr, (lambda _old, v=value: v)) for attr, value in declared(cls, protocol).items()])
+    _base.set_attributes(NAME, [(cls, attr, (lambda _old, a=attr, v=value: ForMembers(a, v)))
+                                for attr, value in declared(cls, protocol).items()])
 
 
 def probe(module: ModuleType) -> Verdict:
