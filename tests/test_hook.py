@@ -144,6 +144,11 @@ def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatc
         record._STATUS = None
 
 
+def _about_subclass(rec: logging.LogRecord) -> bool:
+    """A line about a class no family member owns (tests/family_subclass.py registers a "4.8" in this session)."""
+    return "is no member of the family" in rec.getMessage()
+
+
 def test_unrecognised_layout_is_left_alone_and_named_in_the_summary(m46, monkeypatch, captured):
     """A vLLM whose model module lacks the self-attention class (a layout this fix does not know): nothing touched,
     even with force; its reason at INFO, and the process's summary line names it under "could not tell"."""
@@ -156,7 +161,7 @@ def test_unrecognised_layout_is_left_alone_and_named_in_the_summary(m46, monkeyp
         record._STATUS = None
         fix = _base.run(qkv_loader, fake)
         assert not fix.applied and fix.verdict == "unrecognised"
-        assert [r.levelno for r in captured] == [logging.INFO]
+        assert [r.levelno for r in captured if not _about_subclass(r)] == [logging.INFO]
         assert "qkv_loader" in captured[0].getMessage() and "layout not recognised" in captured[0].getMessage()
         assert "; could not tell: qkv_loader;" in record.summary_line(record.current(), names())
         assert dict(getattr(m46, MODEL).__dict__) == before
@@ -175,7 +180,7 @@ def test_the_hook_logs_one_warning_line_per_process(m46, expected, monkeypatch, 
         hook.on_import(m46)
         st = record.current()
         warnings = [r for r in captured if r.levelno >= logging.WARNING]
-        infos = [r for r in captured if r.levelno == logging.INFO]
+        infos = [r for r in captured if r.levelno == logging.INFO and not _about_subclass(r)]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         line = warnings[0].getMessage()
         assert "\n" not in line and len(line) < 300, line

@@ -148,7 +148,8 @@ def summary_line(status: Status, registry: list[str]) -> str:
     line stays under 300 characters for any subset of 15 fixes applied (where every probe reached a verdict). Fixes left alone because their probe could not tell
     (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that raised inside the hook as
     ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way; subclasses of the patched
-    classes that no family member owns (a model vLLM added after this package) as ``; not covered: CLASSES``. A fix
+    classes that no family member owns (a model vLLM added after this package) as ``; not covered: MODULES`` (the
+    last part of each such class's module, e.g. ``minicpmv4_8``; the classes are in ``status()`` and ``doctor``). A fix
     whose probe waits for the first use of its code path (``fixes._deferred``) is not listed until then (``status()``
     and ``doctor`` say "probed at first use"). Each fix's reason is an INFO line
     (``VLLM_LOGGING_LEVEL=INFO``); :data:`SUMMARY_PATTERN` parses the line. Pure: reads ``status`` only.
@@ -161,8 +162,8 @@ def summary_line(status: Status, registry: list[str]) -> str:
     failed = [n for n in registry if n in fixes and fixes[n].verdict == "error"]
     # Subclasses of the patched classes that no family member owns (a model vLLM added after this package): each
     # fix that would reach them hands them to vLLM, and says so here and in doctor.
-    uncovered = sorted({key for n in registry if n in fixes for key, row in (fixes[n].models or {}).items()
-                        if isinstance(row, dict) and row.get("unknown")})
+    uncovered = sorted({key.rpartition(".")[0].rpartition(".")[2] or key for n in registry if n in fixes
+                        for key, row in (fixes[n].models or {}).items() if isinstance(row, dict) and row.get("unknown")})
     rest = (f"; could not tell: {_render(unsure, registry)}" if unsure else "") + (
         f"; failed: {_render(failed, registry)}" if failed else "") + (
         f"; not covered: {', '.join(uncovered)}" if uncovered else "")

@@ -400,6 +400,12 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
     if mode is not decision.Mode.OFF and _deferred.enabled(fix):  # probed at first use of its code path
         deferred = _deferred.defer(fix, module, mode)
         if deferred is not None:
+            for member in member_modules(module):  # one row per member, as decide_and_apply writes them
+                declared = member in models_of(fix)
+                deferred.models[member] = {
+                    "declared": declared, "verdict": deferred.verdict if declared else "n/a", "reason": deferred.reason,
+                    "applied": False, "why": deferred.why if declared else
+                    f"{fix.NAME} does not declare {member}: its instances get vLLM's own code"}
             deferred.models.update(unknown_subclasses(fix, module))  # said now, not only at first use
             return deferred
     return decide_and_apply(fix, module, mode)
