@@ -24,7 +24,7 @@ import pytest
 
 import vllm_minicpm_hotfix
 from conftest import hotfix
-from vllm_minicpm_hotfix.fixes import REGISTRY, _base
+from vllm_minicpm_hotfix.fixes import REGISTRY, _base, names
 
 
 class _Call:
@@ -166,9 +166,15 @@ def test_undeclared_subclass_behaves_as_stock(m46):
     view = _view48(m46)
     classed = [fix for fix in REGISTRY if _class_targets(fix, m46)]  # not unsupported_quant_method (vllm.config)
     stock = {fix.NAME: fix.probe(view).state.value for fix in classed}
-    with hotfix(m46, "force", fixes=None) as statuses:
-        now = {fix.NAME: fix.probe(view).state.value for fix in classed}
-        own = {fix.NAME: fix.probe(m46).state.value for fix in REGISTRY if statuses[fix.NAME].applied}
+    # qkv_loader replaces the load_weights of vLLM's window-attention class, which every member's model (a 4.8's
+    # too) builds as it is: the 4.8 model loads its vit_merger through it by design, so it is left out here, and
+    # qkv_completeness_guard's probe (which loads through that class) is judged without it.
+    shared = [n for n in names() if n != "qkv_loader"]
+    with hotfix(m46, "force", fixes=shared) as statuses:
+        now = {fix.NAME: fix.probe(view).state.value for fix in classed if fix.NAME in shared}
+        own = {fix.NAME: fix.probe(m46).state.value for fix in REGISTRY
+               if fix.NAME in statuses and statuses[fix.NAME].applied}
+    stock = {k: v for k, v in stock.items() if k in shared}
     assert now == stock, {k: (stock[k], now[k]) for k in stock if stock[k] != now[k]}
     assert set(own.values()) == {"correct"}, own
     assert "broken" in stock.values()  # this environment shows at least one fix whose stock verdict a wrapper flips

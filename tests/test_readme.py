@@ -74,4 +74,7 @@ def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci/run").read_text()
     assert re.search(r"^scripts/test\s", readme, re.M), "README's test command"
-    assert re.search(r"^exec scripts/test\s*$", ci, re.M), ".ci/run must run README's test command"
+    assert re.search(r"^(exec )?scripts/test( \|\| status=\$\?)?\s*$", ci, re.M), ".ci/run must run README's test command"
+    assert not re.search(r"^set [^\n]*-e", ci, re.M) or re.search(r"^scripts/test \|\| status=\$\?\s*$", ci, re.M) \
+        or re.search(r"^exec scripts/test\s*$", ci, re.M), "a failing test run must fail .ci/run"
+    assert re.search(r'^exit "\$status"\s*$', ci, re.M) or re.search(r"^exec scripts/test\s*$", ci, re.M)
