@@ -213,3 +213,26 @@ def healthy(server: Server, timeout: float = 10) -> bool:
         return client(server, timeout=timeout).get(f"{server.url}/health", cast_to=httpx.Response).status_code == 200
     except (openai.APIStatusError, openai.APIConnectionError):
         return False
+
+
+def chat_body(server: Server, img, **kwargs) -> dict:
+    """:func:`chat_kwargs` as one JSON body (vLLM's own fields at the top level, where ``extra_body`` puts them), for
+    :func:`post`."""
+    body = chat_kwargs(server, img, **kwargs)
+    return {**body, **body.pop("extra_body", {})}
+
+
+def post(server: Server, path: str, body: dict, timeout: float = 180) -> tuple[int, dict]:
+    """POST the JSON ``body`` to ``path`` (e.g. ``/v1/chat/completions``) through the same openai client (its raw
+    ``post``: fields the client's typed API does not model, such as ``media_io_kwargs`` or ``return_token_ids``, go as
+    they are): ``(HTTP status, reply JSON)``; status 0 when nothing answers (openai.APIConnectionError)."""
+    try:
+        reply = client(server, timeout=timeout).post(f"{server.url}{path}", cast_to=httpx.Response, body=body)
+        return reply.status_code, reply.json()
+    except openai.APIStatusError as exc:
+        try:
+            return exc.status_code, exc.response.json()
+        except ValueError:
+            return exc.status_code, {"error": {"message": exc.response.text}}
+    except openai.APIConnectionError as exc:
+        return 0, {"error": {"message": f"no answer: {exc}"}}
