@@ -180,12 +180,15 @@ def test_undeclared_subclass_behaves_as_stock(m46):
     assert "broken" in stock.values()  # this environment shows at least one fix whose stock verdict a wrapper flips
 
 
-def test_member_verdicts_are_pinned(m46, environment):
+def test_member_verdicts_are_pinned(m46, environment, monkeypatch):
     """Under ``auto`` the hook probes every family member present here on its own classes: ``status()`` records per
     member the stock verdict tests/expected.py pins (4.7 only where vLLM and transformers have it), applies each fix
     exactly for the declared members whose verdict is broken, and the patched member's re-probe answers correct."""
     import expected as table
 
+    from vllm_minicpm_hotfix.fixes import _deferred
+
+    monkeypatch.setattr(_deferred, "EAGER", True)  # every fix probed at import: the pinned verdicts are stock's
     present = set(_base.member_modules(m46))
     pinned = {m: table.member_verdicts(m, environment) for m in table.MEMBER_VERDICTS}
     assert present - {"MiniCPM-V 4.6"} == {m for m, v in pinned.items() if v is not None}, (present, pinned)

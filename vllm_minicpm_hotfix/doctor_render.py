@@ -181,7 +181,7 @@ def _member_rows(name: str, f: dict[str, Any]) -> list[Row]:
             out.append((check, "OK", f"not covered (its instances get vLLM's own code): {one_line(m['now_reason'], 200)}"))
         elif m["ok"]:
             out.append((check, "OK", f"stock vLLM {m['stock']} -> PATCHED, now {m['now']}" if m["applied"]
-                        else f"not needed: {one_line(m['stock_reason'], 200)}"))
+                        else _not_needed(one_line(m['stock_reason'], 200))))
         else:  # declared and still not correct: FAIL (WARN for a fix scoped to some checkpoints)
             out.append((check, "WARN" if f.get("scope") else "FAIL",
                         f"stock vLLM {m['stock']}, now {m['now']}: {one_line(m['now_reason'], 240)}"))

@@ -22,6 +22,7 @@ import json
 import time
 
 import pytest
+from hotfix_log import summaries
 
 from e2e import clean_env
 from e2e.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
@@ -79,4 +80,6 @@ def test_v47_request_answered_with_transformers_prompt(server, v47, name):
 
 def test_v47_log_names_the_model(server):
     log = server.log()
-    assert "MiniCPM-V 4.6 and MiniCPM-V 4.7 image/video placeholder text" in log, log[-4000:]
+    lines = summaries(log)
+    assert lines and all(s["models"] == ["MiniCPM-V 4.6", "MiniCPM-V 4.7"] for s in lines), log[-4000:]
+    assert any("mm_placeholders" in s["applied"] for s in lines), [s["line"] for s in lines]

@@ -94,16 +94,23 @@ def declared(cls: type, protocol: type) -> dict[str, Any]:
 
 class ForMembers:
     """A class attribute that exists only for the family members this fix declares (:data:`MODELS`): read on such a
-    class or its instance it is ``value``; on any other subclass (a model vLLM added after this package) it raises
-    ``AttributeError``, which is what that class saw without the fix (vLLM 0.22-0.24 define none of these)."""
+    class or its instance it is ``value``; on any other subclass (a model vLLM added after this package) it is what
+    that class saw without the fix: the attribute of the next class in its MRO after the patched one, else
+    ``AttributeError`` (vLLM 0.22-0.24 define none of these)."""
 
-    def __init__(self, attr: str, value: Any) -> None:
-        self.attr, self.value = attr, value
+    def __init__(self, attr: str, value: Any, owner: type) -> None:
+        self.attr, self.value, self.owner = attr, value, owner
 
     def __get__(self, obj: Any, cls: type | None = None) -> Any:
-        if _base.covers(sys.modules[__name__], cls if cls is not None else type(obj)):
+        cls = cls if cls is not None else type(obj)
+        if _base.covers(sys.modules[__name__], cls):
             return self.value
-        raise AttributeError(f"{self.attr} (lora_support does not cover {(cls or type(obj)).__name__})")
+        mro = list(getattr(cls, "__mro__", ()))
+        for base in mro[mro.index(self.owner) + 1:] if self.owner in mro else ():  # what the class saw without it
+            if self.attr in vars(base):
+                found = vars(base)[self.attr]
+                return found.__get__(obj, cls) if hasattr(found, "__get__") else found
+        raise AttributeError(f"{self.attr} (lora_support does not cover {cls.__name__})")
 
 
 def apply(module: ModuleType) -> None:
@@ -113,7 +120,7 @@ def apply(module: ModuleType) -> None:
     if isinstance(found, str):
         raise RuntimeError(found)
     cls, protocol, _ = found
-    _base.set_attributes(NAME, [(cls, attr, (lambda _old, a=attr, v=value: ForMembers(a, v)))
+    _base.set_attributes(NAME, [(cls, attr, (lambda _old, a=attr, v=value: ForMembers(a, v, cls)))
                                 for attr, value in declared(cls, protocol).items()])
 
 

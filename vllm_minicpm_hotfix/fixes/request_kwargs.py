@@ -338,7 +338,9 @@ def geometry_of(processor: Any) -> dict[str, Any]:
         "max_scale": TOKEN_WINDOW * patch * max(math.isqrt(limit["tokens"]), 1), "fixed": fixed_keys(ip),
         "has_downsample_mode": not declared or "downsample_mode" in declared,
     }
-    slices = [int(getattr(ip, "max_slice_nums", 0) or 0)]
+    # The checkpoint's and transformers' own value besides the model-level one (4.7's processing info reports the
+    # latter): a request may ask up to what the model itself takes; the per-item budget bounds the cost.
+    slices = [int(getattr(ip, "max_slice_nums", 0) or 0), int(getattr(type(ip), "max_slice_nums", 0) or 0)]
     for name in ("get_image_max_slice_num", "get_video_max_slice_num"):
         try:
             slices.append(int(getattr(processor.info, name)()))
