@@ -269,3 +269,18 @@ def test_each_fix_reason_shows_only_when_vllm_logging_level_asks(value, level):
     to INFO or DEBUG, so a default ``vllm serve`` log has the one WARNING line per process and nothing else."""
     environ = {} if value is None else {"VLLM_LOGGING_LEVEL": value}
     assert record.level_from_env(environ) == level
+
+
+def test_parse_summary_reads_each_process_line_of_a_log():
+    """Two processes' summary lines in one log, with other lines (some with ';') between: two records, each with its
+    own pid and fixes -- a pattern spanning lines once read the API server's and the worker's as one."""
+    reg = names()
+    lines = []
+    for pid, chosen in ((30653, reg[:2]), (30841, reg[2:5])):
+        st = record.Status(pid=pid, mode="auto", vllm_version="0.22.1", models=["MiniCPM-V 4.6"])
+        st.fixes = {n: record.FixStatus(n, "broken", "", n in chosen, "") for n in reg}
+        lines.append(record.summary_line(st, reg))
+    log = "\n".join([f"(APIServer pid=30653) WARNING 12-01 [record.py:1] {lines[0]}", "INFO a; b; c (x) y",
+                     f"WARNING 12-01 [record.py:1] {lines[1]}", "(Worker pid=30841) INFO done; ok"])
+    parsed = record.parse_summary(log, reg)
+    assert [(p["pid"], p["applied"]) for p in parsed] == [(30653, reg[:2]), (30841, reg[2:5])], parsed

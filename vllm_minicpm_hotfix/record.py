@@ -104,8 +104,8 @@ SUMMARY_PREFIX = "vllm-minicpm-hotfix: "
 #: list of NAMEs, or ``all but`` and a list of the NAMEs not applied), ``rest`` (``; could not tell: ...`` /
 #: ``; failed: ...`` or empty).
 SUMMARY_PATTERN = re.compile(
-    r"vllm-minicpm-hotfix: (?P<models>MiniCPM-V [^,]+|no MiniCPM-V model), vLLM (?P<vllm>\S+), mode (?P<mode>\w+), "
-    r"pid (?P<pid>\d+): patched (?P<applied>\d+)/(?P<total>\d+) \((?P<names>[^)]*)\)(?P<rest>(; [^;]+)*); "
+    r"vllm-minicpm-hotfix: (?P<models>MiniCPM-V [^,\n]+|no MiniCPM-V model), vLLM (?P<vllm>\S+), mode (?P<mode>\w+), "
+    r"pid (?P<pid>\d+): patched (?P<applied>\d+)/(?P<total>\d+) \((?P<names>[^)\n]*)\)(?P<rest>(; [^;\n]+)*); "
     r"details: vllm-minicpm-hotfix doctor$",
     re.MULTILINE,
 )
