@@ -213,10 +213,9 @@ def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
 
 
 def _not_needed(reason: str) -> str:
-    """``not needed: REASON``, once (a probe's reason may already say it)."""
-    while reason.startswith("not needed: "):
-        reason = reason[len("not needed: "):]
-    return f"not needed: {reason}"
+    """``not needed: REASON``, or ``REASON`` itself where the probe's reason already says so (``not needed: ...``,
+    ``not needed here: ...``)."""
+    return reason if reason.startswith("not needed") else f"not needed: {reason}"
 
 
 def render(report: dict[str, Any]) -> None:
