@@ -17,12 +17,12 @@ References, none of them the fix's own output:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import typing
 
 import numpy as np
 import pytest
 from conftest import TINY, hotfix
+from test_processor_fix import vllm_process
 
 from vllm_minicpm_hotfix.fixes import _mm_prompt as mp
 from vllm_minicpm_hotfix.fixes import request_kwargs as fix
@@ -137,19 +137,8 @@ def pixel_work_counter(proc):
             delattr(proc, name)
 
 
-def vllm_apply(proc, img, mm_kwargs: dict):
-    """vLLM's own multimodal processing of one image prompt (``processor.apply``, as its renderer calls it)."""
-    from vllm.multimodal.processing.context import TimingContext
-    from vllm.multimodal.processing.inputs import ProcessorInputs
-
-    tok = proc.info.get_tokenizer()
-    prompt = tok.encode(f"<|im_start|>user\n{tok.image_token}What is this?<|im_end|>\n", add_special_tokens=False)
-    fields = {f.name for f in dataclasses.fields(ProcessorInputs)}
-    kwargs = dict(prompt=prompt, mm_data_items=proc.info.parse_mm_data({"image": [img]}),
-                  hf_processor_mm_kwargs=dict(mm_kwargs))
-    if "tokenization_kwargs" in fields:
-        kwargs["tokenization_kwargs"] = {}
-    return proc.apply(ProcessorInputs(**kwargs), TimingContext(enabled=False))
+#: vLLM's own multimodal processing of one image prompt (``processor.apply``, as its renderer calls it).
+vllm_apply = vllm_process
 
 
 def pads(proc, out) -> int:
