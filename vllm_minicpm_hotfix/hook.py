@@ -8,7 +8,6 @@ runs when vLLM imports the model module, or at once if it is already imported. E
 
 from __future__ import annotations
 
-import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -40,26 +39,10 @@ def on_import(module: ModuleType) -> None:
     for fix in REGISTRY:
         _guarded(fix.NAME, fix.LABEL, lambda m, fix=fix: _base.run(fix, m), module)
     try:
-        status.models = _family_present(_base.FAMILY)
+        status.models = list(_base.member_modules(module))  # the members every fix was just probed for
         log_summary(status, [fix.NAME for fix in REGISTRY])
     except Exception as exc:  # noqa: BLE001 - pragma: no cover - the summary itself broken
         logger.warning("vllm-minicpm-hotfix: the summary line failed: %s\n%s", exc, traceback.format_exc())
-
-
-def _family_present(family: dict[str, str]) -> list[str]:
-    """The members of ``family`` (module -> member name) whose vLLM module exists here, without importing it (the
-    parent package is already imported when the hook runs)."""
-    import importlib.util
-
-    out = []
-    for module_name, member in family.items():
-        try:
-            found = module_name in sys.modules or importlib.util.find_spec(module_name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if found:
-            out.append(member)
-    return out
 
 
 def _guarded(name: str, label: str, apply: Callable[[ModuleType], object], module: ModuleType) -> None:
