@@ -73,6 +73,7 @@ from __future__ import annotations
 import sys
 import functools
 import inspect
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -163,13 +164,27 @@ def expected_embeddings(modality: str, item: Any, hf_config: Any) -> tuple[int, 
     return total, what
 
 
+@functools.lru_cache(maxsize=64)
+def _arity_of_code(code: types.CodeType) -> int:
+    """Parameters of a plain function with this code object (what ``inspect.signature`` counts for it)."""
+    n = code.co_argcount + code.co_kwonlyargcount
+    return n + bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+
+
+def _arity(fn: Any) -> int:
+    """``len(inspect.signature(fn).parameters)``; for a plain function (vLLM's ``is_embed`` is a closure made per
+    request) read from its code object, once per code object, instead of building a signature per item."""
+    if type(fn) is types.FunctionType and not hasattr(fn, "__wrapped__"):
+        return _arity_of_code(fn.__code__)
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return 2
+
+
 def _call_is_embed(is_embed: Any, tokenizer: Any, full: Any) -> Any:
     """vLLM's ``PromptUpdateDetails.is_embed``: ``(tokenizer, full)`` in 0.22-0.31, ``(full)`` in 0.32+."""
-    try:
-        n = len(inspect.signature(is_embed).parameters)
-    except (TypeError, ValueError):
-        n = 2
-    return is_embed(tokenizer, full) if n >= 2 else is_embed(full)
+    return is_embed(tokenizer, full) if _arity(is_embed) >= 2 else is_embed(full)
 
 
 def placeholder_embeds(updates: Sequence[Any], tokenizer: Any) -> int | None:
