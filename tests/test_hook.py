@@ -11,7 +11,7 @@ import sys
 import types
 
 import pytest
-from conftest import REPO, hotfix
+from conftest import FULL_ENVS, REPO, hotfix
 
 from vllm_minicpm_hotfix import decision, hook, record
 from vllm_minicpm_hotfix.fixes import REGISTRY, _base, names, qkv_loader
@@ -43,7 +43,14 @@ print(json.dumps({"status": h.status(), "first": first, "second": second,
 """
 
 
-@pytest.mark.parametrize("mode", ["auto", "force", "off"])
+#: ``auto`` decides per release, so its fresh interpreter runs everywhere; ``force`` and ``off`` do not depend on the
+#: release's verdicts (every fix applied / none), so theirs run where the other fresh-interpreter modules run: one
+#: release whose q/k/v loading is broken and one where it is correct (conftest.FULL_ENVS). In this process every mode
+#: runs everywhere (test_the_hook_logs_one_warning_line_per_process).
+FRESH_MODES = ["auto", *(pytest.param(m, marks=pytest.mark.placed(*FULL_ENVS)) for m in ("force", "off"))]
+
+
+@pytest.mark.parametrize("mode", FRESH_MODES)
 def test_hook_applies_decision_when_vllm_imports_the_module(expected, release, mode):
     out, log = fresh_python(INSTALL_THEN_IMPORT, VLLM_MINICPM_HOTFIX=mode)
     st = out["status"]

@@ -40,6 +40,11 @@ from vllm_build import build_vllm_model, checkpoint_tensors, ensure_distributed,
 from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
+#: The fresh interpreters of parts 2 and 3 that exercise the hook's own machinery (its code raising, reload, threads,
+#: an unknown mode, wrapt missing, ``VLLM_PLUGINS``): what they check does not depend on the release's verdicts, only
+#: on a real vLLM importing the module, so each runs on one release (one whose q/k/v loading is broken, so the hook has
+#: something to patch), not on both of FULL_ENVS: one vLLM import costs ~15-20 s of a CI run.
+ONE_RELEASE = pytest.mark.placed("0.26.0")
 
 P = "model.vision_tower.vit_merger.self_attn."
 M46 = "vllm.model_executor.models.minicpmv4_6"
@@ -558,6 +563,7 @@ print(json.dumps({{"status": h.status(), "attn_patched": (_base.patched_by(attn,
 """
 
 
+@ONE_RELEASE
 def test_hook_raising_leaves_vllm_importable_and_unpatched(tmp_path):
     """The hotfix's own patching raises (force, so it runs on every release): vLLM's module still imports, nothing
     of the failed fix is patched, one warning names the failure, ``status()`` records it. The other fixes run on
@@ -600,6 +606,7 @@ print(json.dumps({{"installed": installed, "at_once": at_once, "same_module": m2
 """
 
 
+@ONE_RELEASE
 def test_module_imported_before_install_then_reloaded(tmp_path):
     """``install()`` after vLLM imported the module patches at once. ``importlib.reload`` then re-executes the
     module: new, unpatched classes, and wrapt does not fire the hook again (it drops a hook once it has fired) --
@@ -650,6 +657,7 @@ print(json.dumps({{"calls": calls, "applied": applied, "errors": errors, "module
 """
 
 
+@ONE_RELEASE
 def test_two_threads_importing_the_module_patch_once(tmp_path):
     out, log = fresh(THREADS, tmp_path, VLLM_MINICPM_HOTFIX="force")
     assert out["errors"] == [] and out["alive"] == [] and out["modules"] == 2 and out["same"]
@@ -668,6 +676,7 @@ print(json.dumps({{"status": h.status(), "patched": (_base.patched_by(m.{ATTN}, 
 """
 
 
+@ONE_RELEASE
 def test_unknown_mode_value_means_auto_with_one_warning(tmp_path, expected):
     out, log = fresh(UNKNOWN_VALUE, tmp_path, VLLM_MINICPM_HOTFIX="sometimes")
     st = out["status"]
@@ -774,6 +783,7 @@ print(json.dumps({"status": h.status(), "activations": _bootstrap.activations,
 """
 
 
+@ONE_RELEASE
 def test_pip_route_without_wrapt_says_so_and_vllm_still_imports(pip_env_no_wrapt, tmp_path):
     """pip route, wrapt missing (installed with --no-deps, or uninstalled later): ``import vllm`` works, the hook is
     not installed, and one warning says why."""
@@ -785,6 +795,7 @@ def test_pip_route_without_wrapt_says_so_and_vllm_still_imports(pip_env_no_wrapt
                      r"ModuleNotFoundError: No module named 'wrapt'", lines[0]), lines[0]
 
 
+@ONE_RELEASE
 def test_bundle_route_without_wrapt_uses_its_copy(bundle_dir, bare_env, tmp_path):
     """bundle route, no wrapt in the image: the bundle's vendored copy is used (import vllm only, ~15 s; the full
     model-module variant is tests/test_activation.py::test_bundle_without_wrapt_activates_with_its_own_wrapt)."""
@@ -895,6 +906,7 @@ print(json.dumps({{"status": h.status(), "activations": _bootstrap.activations,
 """
 
 
+@ONE_RELEASE
 def test_vllm_plugins_allowlist_without_ours_still_patched_by_pth(pip_env, tmp_path):
     """``VLLM_PLUGINS`` names other plugins only: vLLM does not call our entry point, the ``.pth`` route still
     activates (force: patched on every release), once."""
