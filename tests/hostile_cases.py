@@ -119,6 +119,21 @@ FIXED_CASES: list[Case] = [
     Case("same image after the bad kwarg", "cache", "200", None, images=((240, 180, "RGB"),)),
 ]
 
+#: Model-level ``--mm-processor-kwargs`` a server must refuse at start-up, all three in one error (tests/e2e/
+#: test_model_kwargs_serve.py, tests/test_request_kwargs.py): key -> (value, what the error must say is allowed).
+#: Without the check vLLM fails on them only inside its token counting, naming none of them.
+MODEL_LEVEL_BAD: dict[str, tuple[Any, str]] = {
+    "max_slice_nums": (-1, "an integer of at least 1"),  # degenerate (transformers: math domain error)
+    "patch_size": (7, "fixed by the model"),  # geometry the checkpoint was built with
+    "slice_mode": ("false", "a boolean (true or false)"),  # wrong type
+}
+
+
+def model_level_bad() -> dict[str, Any]:
+    """:data:`MODEL_LEVEL_BAD` as the ``--mm-processor-kwargs`` object."""
+    return {k: v for k, (v, _) in MODEL_LEVEL_BAD.items()}
+
+
 #: The seeded generator's values per key: types and ranges a fuzzing client tries.
 POOL: dict[str, list[Any]] = {
     "max_slice_nums": [-5, 0, 1, 3, 9, 10, 64, 10**9, 2.0, "3", None, True, [], {}],

@@ -336,6 +336,33 @@ def test_model_level_kwargs_refused(m46, model_kwargs):
     assert f"--mm-processor-kwargs.{key} = {value!r}" in str(info.value)
 
 
+def test_model_level_kwargs_refused_when_the_processor_is_built(m46):
+    """vLLM's start-up asks the processing info for its token counts (``MultiModalBudget``) before any ``apply``: the
+    model-level kwargs are refused when vLLM builds the processor, every refused key in one error. Stock vLLM (with
+    the prerequisites) builds it and refuses nothing: its token count fails or answers, naming none of the keys."""
+    import hostile_cases
+
+    bad = hostile_cases.model_level_bad()
+    with hotfix(m46, "auto", fixes=PREREQUISITES):
+        proc = make_processor(mm_processor_kwargs=bad)
+        try:
+            stock = proc.info.get_mm_max_tokens_per_item(seq_len=1024, mm_counts={"image": 1, "video": 0})
+        except Exception as exc:  # noqa: BLE001 - what stock does with them, shown
+            stock = exc
+    print(f"\nstock: processor built; token count: {stock!r}")
+    assert not any(f"{key}" in str(stock) for key in bad), stock
+    with hotfix(m46, "auto", fixes=None):
+        with pytest.raises(fix.RequestKwargsError) as info:
+            make_processor(mm_processor_kwargs=bad)
+    message = str(info.value)
+    print(f"hotfix: {message}")
+    assert message.startswith(f"MiniCPM-V 4.6: {len(bad)} of --mm-processor-kwargs are refused: ")
+    for key, (value, allowed) in hostile_cases.MODEL_LEVEL_BAD.items():
+        assert f"--mm-processor-kwargs.{key} = {value!r}" in message, key
+        assert allowed in message, key
+    assert "\n" not in message
+
+
 def test_refusal_leaves_the_processor_cache(m46):
     """A refused request leaves vLLM's processor cache as it was: the same image, valid next, gives what a processor
     that never saw the refused request gives."""

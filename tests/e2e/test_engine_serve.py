@@ -17,7 +17,9 @@ with the hotfix pip-installed (the ``pip_env`` session overlay), serving every c
   the solo answers are asked afterwards with an equivalent kwarg (``max_slice_nums`` at its default) so they get
   their own cache keys and are encoded again, alone;
 * the fixes are logged where they act: the guard in the API server, the encoder fix in the process that loads the
-  weights.
+  weights;
+* on 0.28.0 (:data:`CACHE_RELEASES`), refusals leave vLLM's processor cache as it was: the cache cases of the hostile
+  run (tests/hostile_cases.py), sent to this server.
 
 How stock vLLM fails on the same requests: ``tests/test_engine_fixes.py`` shows it on every release through vLLM's
 processor, model and ``_merge_multimodal_embeddings`` (the call that kills EngineCore); on 0.32.0, where stock vLLM
@@ -268,3 +270,43 @@ def test_fixes_logged_where_they_act(server, release, environment):
     ((_, loader),) = {(n, int(p)) for n, p in WEIGHTS_LOADED.findall(log)}
     encoder = {int(p) for p in patched_pids(log, "encoder_modes")}
     assert (loader in encoder) is (table.verdict("encoder_modes", environment) == "broken"), (loader, encoder)
+
+
+#: Where this server also shows that refusals leave vLLM's processor cache as it was (0.22.1 and 0.32.0: the same
+#: cases in tests/e2e/test_hostile.py's run; 0.28.0 has no hostile server of its own, its session being the longest).
+CACHE_RELEASES = ("0.28.0",)
+
+
+@pytest.mark.placed(*CACHE_RELEASES)
+def test_refusals_leave_the_processor_cache(server):
+    """The cache cases of tests/hostile_cases.py, sent as the hostile run sends them (tests/hostile_driver.py):
+
+    * the hotfix's refusal of a request for an image the processor cache already holds (``scale_resolution: 13``)
+      leaves the cache as it was: the same image, valid next, is answered 200;
+    * vLLM's own refusal *after* processing (``max_tokens: 0``) is a 4xx; the next request with the same image fails
+      once with vLLM's ``P0/P1 cache drift`` (a 500; docs/what-can-go-wrong.md: vLLM's generic request path, out of
+      a probe-gated fix's reach; 0.28 has vLLM's drift recovery), and the one after it is answered 200."""
+    import hostile_cases
+    import hostile_driver
+
+    cases = {c.name: c for c in hostile_cases.FIXED_CASES if c.kind == "cache"}
+
+    def send(name: str) -> hostile_driver.Outcome:
+        statuses, messages = hostile_driver.send(server, cases[name])
+        out = hostile_driver.Outcome(cases[name], statuses, messages, healthy(server))
+        print(f"\n{name}: {statuses} {messages[0][:300]!r}")
+        return out
+
+    for name in ("an image to cache", "bad kwarg on a cached image", "same image after the bad kwarg"):
+        o = send(name)
+        assert o.ok and o.alive, (name, o.statuses, o.messages, server.log()[-6000:])
+
+    mark = len(server.log())
+    refused = send("max_tokens 0")
+    assert [400 <= s < 500 for s in refused.statuses] == [True], (refused.statuses, refused.messages)
+    after = send("same image after max_tokens 0")
+    drift = "P0/P1 cache drift" in server.log()[mark:]
+    print(f"after max_tokens 0: {after.statuses}, vLLM's cache drift logged: {drift}")
+    assert after.statuses == [500] and drift, (after.statuses, after.messages, server.log()[mark:][-6000:])
+    again = send("same image after max_tokens 0")
+    assert again.statuses == [200] and again.alive, (again.statuses, again.messages)

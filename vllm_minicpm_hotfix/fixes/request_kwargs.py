@@ -25,8 +25,11 @@ before ``_cached_apply_hf_processor`` hashes, looks up the processor cache or re
 members in :data:`MODELS` it checks, in this order, and raises :class:`RequestKwargsError` (a ``ValueError``:
 ``vllm serve`` answers it 400 on every release) naming the kwarg, the value, what is allowed and the model:
 
-1. the model-level ``--mm-processor-kwargs`` (once per processor; the engine's start-up profiling runs this method,
-   so a bad value stops ``vllm serve`` at start-up with this one error);
+1. the model-level ``--mm-processor-kwargs``, every key at once, in one error (once per processor, when vLLM builds
+   it: the processor's ``__init__`` is wrapped too, because vLLM's start-up asks the processing info for its token
+   counts -- ``MultiModalBudget``, in the API server before the engine starts on 0.30 -- before any ``apply``, and
+   a bad value such as ``max_slice_nums: -1`` fails there with transformers' ``math domain error``; so a bad value
+   stops ``vllm serve`` at start-up with this one error);
 2. each request key the installed processor declares (flat, or inside ``images_kwargs`` / ``videos_kwargs``) -- see
    :func:`rules`: the sizing keys are checked for type and range, the keys the model was built with (geometry,
    normalisation, output format) may not be set;
@@ -70,7 +73,7 @@ NAME = "request_kwargs"
 LABEL = "request mm_processor_kwargs validation and per-item budget (HTTP 400 before any pixel work)"
 PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
 BUDGET_TARGET = "vllm.multimodal.encoder_budget:compute_mm_encoder_budget"
-SETS = (f"{PROCESSOR_CLASS}.apply", BUDGET_TARGET)
+SETS = (f"{PROCESSOR_CLASS}.apply", f"{PROCESSOR_CLASS}.__init__", BUDGET_TARGET)
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 
 #: The sizing keys a request may set (transformers' ``MiniCPMV4_6ImageProcessorKwargs``), with their type.
@@ -209,8 +212,9 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
         if key in fixed:
             raise RequestKwargsError(
                 f"{model}: {name} = {value!r} is refused: {key} is fixed by the model "
-                f"({'the checkpoint' if model_level else 'the server'} was built with its own value; a request may "
-                f"set only {sorted(SIZING)})", kwarg=name, value=value)
+                f"({'the checkpoint' if model_level else 'the server'} was built with its own value; "
+                f"{'--mm-processor-kwargs' if model_level else 'a request'} may set only {sorted(SIZING)})",
+                kwarg=name, value=value)
         if key not in SIZING:
             continue
         if key == "downsample_mode" and not geometry.get("has_downsample_mode", True):
@@ -433,13 +437,29 @@ def model_level_kwargs(model_config: Any) -> Mapping[str, Any] | None:
 
 
 def check_model_level(processor: Any, model: str) -> None:
-    """Check the model-level ``--mm-processor-kwargs`` once per processor (raises :class:`RequestKwargsError`)."""
+    """Check the model-level ``--mm-processor-kwargs`` once per processor: every key, and one
+    :class:`RequestKwargsError` naming each refused key (kwarg, value, what is allowed) and ``model``; its ``kwarg``
+    and ``value`` are the first refused key's."""
     if processor.__dict__.get(_MODEL_CHECKED_ATTR):
         return
     kwargs = model_level_kwargs(getattr(getattr(processor.info, "ctx", None), "model_config", None))
     if kwargs:
-        check_kwargs(kwargs, {"min_scale": TOKEN_WINDOW * 14, "fixed": fixed_keys(), "patch": 14}, model,
-                     where="--mm-processor-kwargs", model_level=True)
+        geometry = {"min_scale": TOKEN_WINDOW * 14, "fixed": fixed_keys(), "patch": 14}
+        where = "--mm-processor-kwargs"
+        if not isinstance(kwargs, Mapping):
+            check_kwargs(kwargs, geometry, model, where=where, model_level=True)
+        refused: list[RequestKwargsError] = []
+        for key, value in kwargs.items():
+            try:
+                check_kwargs({key: value}, geometry, model, where=where, model_level=True)
+            except RequestKwargsError as exc:
+                refused.append(exc)
+        if len(refused) == 1:
+            raise refused[0]
+        if refused:
+            each = "; ".join(str(exc).removeprefix(f"{model}: ") for exc in refused)
+            raise RequestKwargsError(f"{model}: {len(refused)} of {where} are refused: {each}",
+                                     kwarg=refused[0].kwarg, value=refused[0].value)
     processor.__dict__[_MODEL_CHECKED_ATTR] = True
 
 
@@ -476,11 +496,27 @@ def wrap_apply(original: Any) -> Any:
     return apply
 
 
+def wrap_init(original: Any) -> Any:
+    """Wrap ``BaseMultiModalProcessor.__init__(self, info, dummy_inputs, *, cache=None)`` (vLLM's
+    ``vllm/multimodal/processing``, inherited by ``MiniCPMV4_6MultiModalProcessor``; built by
+    ``MULTIMODAL_REGISTRY.create_processor`` in every process that processes or profiles requests): vLLM's own
+    ``__init__`` first, then :func:`check_model_level` for the members in :data:`MODELS`. Raises
+    :class:`RequestKwargsError` (``ValueError``) for bad model-level ``--mm-processor-kwargs``."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if _base.covers(MODELS, self):
+            check_model_level(self, _base.model_of(self) or "MiniCPM-V")
+
+    return __init__
+
+
 def apply(module: ModuleType) -> None:
-    """Set the wrapper on ``module.MiniCPMV4_6MultiModalProcessor.apply`` and the recorder on vLLM's
-    ``compute_mm_encoder_budget`` (where it exists), all or nothing."""
+    """Set the wrappers on ``module.MiniCPMV4_6MultiModalProcessor.apply`` and ``.__init__`` and the recorder on
+    vLLM's ``compute_mm_encoder_budget`` (where it exists), all or nothing."""
     cls = getattr(module, PROCESSOR_CLASS)
-    changes = [(cls, "apply", wrap_apply)]
+    changes = [(cls, "apply", wrap_apply), (cls, "__init__", wrap_init)]
     budget = _base.resolve(module, BUDGET_TARGET)
     if budget is not None and callable(getattr(*budget, None)):
         changes.append((*budget, wrap_compute_budget))
