@@ -9,8 +9,8 @@ wraps the language model's packed linear layers (``packed_modules_mapping``: ``q
 ``in_proj_qkvz``, ``in_proj_ba``) with its LoRA layers and, with ``enable_tower_connector_lora`` off, leaves the
 vision tower and connectors alone. Cheap (no engine): every environment.
 
-Not shown here: greedy tokens with a peft-written adapter against transformers + peft through ``vllm serve
---enable-lora`` (see the branch report).
+Greedy tokens of a peft-written adapter through ``vllm serve --enable-lora``, against transformers + peft:
+tests/e2e/test_lora_serve.py (0.23.0).
 """
 
 from __future__ import annotations

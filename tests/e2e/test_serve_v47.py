@@ -1,5 +1,10 @@
-"""MiniCPM-V 4.7 through real ``vllm serve`` with the hotfix pip-installed: the requests stock vLLM kills are answered
-``200`` with transformers' own prompt.
+"""MiniCPM-V 4.7 through real ``vllm serve``: the request stock vLLM's server dies on, and with the hotfix
+pip-installed the requests stock vLLM kills answered ``200`` with transformers' own prompt.
+
+First one stock ``vllm serve`` of the same checkpoint (the shared environment, no hotfix): the ``{"slice_mode":
+false}`` request on 449x448 gets no 200 (a 500, or no answer), EngineCore dies with ``Attempted to assign N = N
+multimodal tokens to M placeholders``, and ``/health`` and the next request fail. It is stopped before the hotfix's
+server starts (one engine at a time).
 
 One server of the tiny 4.7 checkpoint transformers writes (``scripts/make_tiny_checkpoint.py --member 4.7``: patch
 14, ``scale_resolution`` 448), on 0.32.0 (the release of the run where vLLM has 4.7 and an engine starts on CPU;
@@ -13,12 +18,14 @@ template renders, with the same image and kwargs:
 * ``{"use_image_id": false}``: stock keeps ``<image_id>0</image_id>``;
 * then a plain request, and ``/health``: the server is alive.
 
-Placed on 0.32.0 only: one server (~2-3 min on the CI machine).
+Placed on 0.32.0 only (0.33.0 has 4.7 but its environment is the CUDA wheel: no engine on CPU): two servers.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 import time
 
 import pytest
@@ -44,6 +51,31 @@ REQUESTS = {
 @pytest.fixture(scope="module")
 def v47(tmp_path_factory):
     return write_v47(tmp_path_factory.mktemp("serve47") / "ckpt")
+
+
+#: vLLM's error when a prompt's placeholders and the item's embeddings disagree (the engine dies on it).
+DEATH = re.compile(r"Attempted to assign (\d+) = \1 multimodal tokens to (\d+) placeholders")
+
+
+def test_v47_stock_server_dies_on_the_request_the_hotfix_answers(v47, tmp_path):
+    """Stock ``vllm serve`` (before the hotfix's server of :func:`server` starts: pytest runs this module's tests in
+    order)."""
+    (w, h), kwargs = REQUESTS["slice_mode false"]
+    with serving(sys.executable, clean_env(PYTHONPATH=""), tmp_path, "stock47", SERVE_ARGS, model=v47) as srv:
+        assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
+        print(f"\nstock 4.7 server healthy after {time.monotonic() - srv.started_at:.0f} s")
+        assert "vllm-minicpm-hotfix:" not in srv.log()
+        status, reply = post(srv, "/v1/chat/completions", chat_body(srv, image(w, h), mm_processor_kwargs=kwargs))
+        deadline = time.monotonic() + 20
+        while healthy(srv, timeout=5) and time.monotonic() < deadline:  # EngineCore's death reaches /health
+            time.sleep(1)
+        alive = healthy(srv, timeout=5)
+        after, _ = post(srv, "/v1/chat/completions", chat_body(srv, image(*REQUESTS["plain"][0])), timeout=60)
+        log = srv.log()
+    print(f"stock {kwargs}: HTTP {status} {json.dumps(reply)[:300]}; /health {alive}; next request HTTP {after}")
+    assert status in (500, 0), (status, reply)
+    assert not alive and after != 200, log[-6000:]
+    assert DEATH.search(log), log[-6000:]
 
 
 @pytest.fixture(scope="module")
