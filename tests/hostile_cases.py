@@ -9,7 +9,7 @@ Every case is a :class:`Case`: the images (built by :func:`make_image`, sent as 
 * ``"no-5xx"``: valid or not depending on the value (the seeded generator's cases): 2xx or 4xx, never a 5xx.
 
 :func:`cases` returns the fixed list plus :func:`generated` (a seeded generator of kwarg values: same seed, same
-cases). Bounded: about 60 cases. Nothing here imports vLLM.
+cases). Bounded: about 70 cases. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class Case:
     cause: str = ""  #: what a 400's message must contain
     extra: dict = dataclasses.field(default_factory=dict)  #: more request fields (max_tokens, n, ...)
     concurrent: int = 1  #: sent this many times at once
+    media: str = ""  #: instead of ``images``: one broken image payload of :func:`broken_media` by this name
 
 
 def make_image(width: int, height: int, mode: str = "RGB", seed: int = 0):
@@ -41,6 +42,22 @@ def make_image(width: int, height: int, mode: str = "RGB", seed: int = 0):
     rng = np.random.default_rng(seed * 7919 + width * 31 + height)
     rgb = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
     return rgb if mode == "RGB" else rgb.convert(mode)
+
+
+def broken_media(name: str) -> str:
+    """The ``image_url`` of a broken upload (what a buggy client or a cut-off transfer sends): a data URL whose bytes
+    are half a PNG (``"truncated"``), the first 40 bytes of one (``"header only"``), text (``"not an image"``), or not
+    base64 at all (``"not base64"``). vLLM's media loading refuses each with a 400 before any MiniCPM-V code runs."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    make_image(300, 200).save(buf, "PNG")
+    png = buf.getvalue()
+    payload = {"truncated": png[: len(png) // 2], "header only": png[:40], "not an image": b"hello, not an image"}
+    if name == "not base64":
+        return "data:image/png;base64,@@@###"
+    return "data:image/png;base64," + base64.b64encode(payload[name]).decode()
 
 
 def _bad(kwargs: dict, kind: str, cause: str | None = None) -> Case:
@@ -101,6 +118,11 @@ FIXED_CASES: list[Case] = [
     Case("grey with alpha LA", "image", "200", images=((300, 200, "LA"),)),
     Case("16-bit grey I;16", "image", "no-5xx", images=((300, 200, "I;16"),)),
     Case("2000x2000 image", "image", "200", images=((2000, 2000, "RGB"),)),
+    # broken uploads (a cut-off transfer, a client sending the wrong bytes): vLLM's own 400, the engine untouched
+    Case("truncated PNG", "media", "400", media="truncated", cause="image file is truncated"),
+    Case("PNG header only", "media", "400", media="header only", cause="cannot identify image file"),
+    Case("text sent as a PNG", "media", "400", media="not an image", cause="cannot identify image file"),
+    Case("image data not base64", "media", "400", media="not base64", cause="base64"),
     # batches: two images, one request's kwargs for both; concurrent mixed requests
     Case("two images, bad kwarg", "batch", "400", {"slice_mode": "no"}, images=((224, 224, "RGB"), (300, 200, "RGB")),
          cause="slice_mode"),
@@ -111,6 +133,11 @@ FIXED_CASES: list[Case] = [
     # the processor cache: a request refused after its image was processed, then the same image, valid
     Case("max_tokens 0", "cache", "no-5xx", None, images=((230, 170, "RGB"),), extra={"max_tokens": 0}),
     Case("same image after max_tokens 0", "cache", "200", None, images=((230, 170, "RGB"),)),
+    # n > 1 with greedy sampling (the other trigger the notes name for the drift): vLLM refuses it before the image is
+    # processed on every release here, so the same image next is answered
+    Case("n 4 with greedy sampling", "cache", "400", None, images=((250, 190, "RGB"),), extra={"n": 4},
+         cause="n must be 1"),
+    Case("same image after n 4", "cache", "200", None, images=((250, 190, "RGB"),)),
     # ... and a refusal of the hotfix's own on a cached image, with an image of its own: on 0.22-0.24 vLLM's drift
     # above does not heal (every later request with that image fails), which would hide what this pair shows
     Case("an image to cache", "cache", "200", None, images=((240, 180, "RGB"),)),

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from e2e.server import Server, healthy, png_data_url, post
-from hostile_cases import Case, make_image
+from hostile_cases import Case, broken_media, make_image
 
 REQUEST_TIMEOUT_S = 120
 RUN_BUDGET_S = 900
@@ -60,8 +60,11 @@ class RssSampler:
 
 def body(server: Server, case: Case) -> dict:
     """The OpenAI chat completion of ``case``: its images as PNG data URLs, greedy, 2 tokens unless it says."""
-    content = [{"type": "image_url", "image_url": {"url": png_data_url(make_image(w, h, mode, seed=i))}}
-               for i, (w, h, mode) in enumerate(case.images)]
+    if case.media:
+        content = [{"type": "image_url", "image_url": {"url": broken_media(case.media)}}]
+    else:
+        content = [{"type": "image_url", "image_url": {"url": png_data_url(make_image(w, h, mode, seed=i))}}
+                   for i, (w, h, mode) in enumerate(case.images)]
     content.append({"type": "text", "text": "What is in the image?"})
     out = {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": 2,
            "temperature": 0}
