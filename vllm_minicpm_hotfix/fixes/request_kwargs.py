@@ -515,7 +515,7 @@ def _set_recorder(budget_module: ModuleType) -> None:
     try:
         if not _base.has_set(NAME):
             return
-        attr = BUDGET_TARGET.rpartition(".")[2]
+        attr = BUDGET_TARGET.partition(":")[2]
         if not callable(getattr(budget_module, attr, None)) or _base.patched_by(budget_module, attr) == NAME:
             return
         _base.set_attributes(NAME, [(budget_module, attr, wrap_compute_budget)])
