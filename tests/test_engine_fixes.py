@@ -323,6 +323,19 @@ def test_guard_catches_a_4x_video_without_a_video_flag(m46, vproc, environment):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("shape", [(3, 56, 56), (3, 28, 84), (1, 14, 14), (3, 70, 42)])
+def test_probe_patch_layout_is_transformers_own(shape):
+    """The encoder_modes probe's image processor lays patches out without ``unfold``: the same tensor as
+    transformers' own ``MiniCPMV4_6ImageProcessor.reshape_by_patch`` (patch 14) for every shape tried."""
+    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
+
+    image = torch.randn(*shape)
+    ref = MiniCPMV4_6ImageProcessor().reshape_by_patch(image, 14)
+    ours = encoder_modes._probe_image_processor_class(MiniCPMV4_6ImageProcessor)().reshape_by_patch(image, 14)
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    assert torch.equal(ours, ref)
+
+
 def test_mixed_mode_batch(m46, vproc, vmodel, environment):
     """A 16x and a 4x request's images in one encoder batch: stock 0.22-0.31 encodes both in 16x (the 4x one gets a
     quarter of its placeholder's embeddings: the merge kills the engine); with the fix each item's embeddings equal

@@ -318,6 +318,33 @@ def test_encoder_cache_size_is_the_limit(m46):
             fix.ENCODER_CACHE_SIZE[:] = saved
 
 
+@pytest.mark.placed("0.23.0", "0.33.0")
+def test_encoder_budget_recorder_is_set_when_vllm_imports_it():
+    """In a fresh vLLM process the hook leaves ``vllm.multimodal.encoder_budget`` to vLLM (importing it pulls in the
+    v1 request and structured-output stack, ~0.5 s of CPU), and the recorder is on its ``compute_mm_encoder_budget``
+    once vLLM imports it: the budget is vLLM's own function's (``encoder_cache_manager``, untouched) and the recorded
+    cache size is its second value."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": "", "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("VLLM_MINICPM_HOTFIX", None)
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "budget_child.py"), str(REPO)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\n{out}")
+    assert out["applied"] is True
+    assert out["imported_by_hook"] is False
+    assert out["patched_by"] == fix.NAME
+    assert out["result"] == out["reference"]
+    assert out["recorded"] == [out["reference"][1]]
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Model-level kwargs, the processor cache
 # --------------------------------------------------------------------------------------------------------------------

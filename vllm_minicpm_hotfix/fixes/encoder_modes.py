@@ -314,6 +314,26 @@ class _Items(list):
         return list(self)
 
 
+def reshape_by_patch(image: Any, patch_size: int) -> Any:
+    """transformers' ``MiniCPMV4_6ImageProcessor.reshape_by_patch(image [C, H, W], patch_size) -> [C, patch_size,
+    H * W / patch_size]`` (NaViT patch layout: patch ``l`` in row-major order of the ``patch_size`` grid, row ``i``
+    of channel ``c`` at ``[c, i, l * patch_size : (l + 1) * patch_size]``), the same tensor by a view and a permute
+    instead of ``torch.nn.functional.unfold``: torch's CPU ``im2col`` costs milliseconds of CPU per call in its thread
+    pool even for a 56x56 image, a probe's largest single cost. Same dtype. Raises RuntimeError if ``H`` or ``W`` is
+    not a multiple of ``patch_size`` (``unfold`` would drop the remainder; the probe's sizes are multiples)."""
+    c, h, w = image.shape
+    p = int(patch_size)
+    return image.reshape(c, h // p, p, w // p, p).permute(0, 2, 1, 3, 4).reshape(c, p, -1)
+
+
+@functools.lru_cache(maxsize=4)
+def _probe_image_processor_class(base: type) -> type:
+    """``base`` (transformers' ``MiniCPMV4_6ImageProcessor``) with :func:`reshape_by_patch` in place of its own:
+    the probe judges rows and flags, never pixel values, and the values are the same anyway."""
+    return type(base.__name__, (base,), {"reshape_by_patch": lambda self, image, patch_size: reshape_by_patch(
+        image, patch_size), "__module__": __name__})
+
+
 def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int]:
     """(rows vLLM gives a one-frame "4x" video, rows its placeholder is sized for)."""
     import numpy as np
@@ -322,7 +342,8 @@ def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int]:
 
     proc_cls = getattr(module, PROCESSOR_CLASS)
     info_cls = getattr(module, "MiniCPMV4_6ProcessingInfo")
-    image_processor = MiniCPMV4_6ImageProcessor(scale_resolution=56)  # 28x28 -> 56x56: 4x4 patches, cheap
+    image_processor = _probe_image_processor_class(MiniCPMV4_6ImageProcessor)(
+        scale_resolution=56)  # 28x28 -> 56x56: 4x4 patches, cheap
     info = object.__new__(info_cls)
     video = [np.zeros((28, 28, 3), dtype=np.uint8)]
     request = {"downsample_mode": "4x"}
