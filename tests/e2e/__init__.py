@@ -29,6 +29,9 @@ import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+#: A folder whose ``sitecustomize.py`` leaves the fixes named in ``VLLM_MINICPM_HOTFIX_TEST_LEAVE_OUT`` unapplied in
+#: every process of a server it is on the PYTHONPATH of (tests/e2e/leave_out_site/sitecustomize.py says how).
+LEAVE_OUT_SITE = Path(__file__).resolve().parent / "leave_out_site"
 PACKAGE = "vllm_minicpm_hotfix"
 WRAPT_ENTRIES = ("wrapt", "wrapt-stubs")
 _COPY_IGNORE = shutil.ignore_patterns(

@@ -27,13 +27,12 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY
 from hotfix_log import patched_pids, summaries
 
-from e2e import clean_env
+from e2e import LEAVE_OUT_SITE, clean_env
 from e2e.peft_site import peft_site
 from e2e.server import FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, healthy, post, serving
 from e2e.test_engine_serve import SERVE_ARGS
@@ -47,7 +46,6 @@ MAX_TOKENS = 6
 RANK = 8  # tests/lora_adapter.py RANK
 LORA_ARGS = ["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "1"]
 #: Test-only start-up code that leaves the fixes named in ``VLLM_MINICPM_HOTFIX_TEST_LEAVE_OUT`` unapplied.
-LEAVE_OUT_SITE = Path(__file__).resolve().parent / "leave_out_site"
 REFUSAL = "ValueError: MiniCPMV4_6ForConditionalGeneration does not support LoRA yet."
 
 

@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 from hotfix_log import patched_pids, summaries
 from test_video_loader import WORKAROUND, data_url, write_video
 
-from e2e import clean_env
+from e2e import LEAVE_OUT_SITE, clean_env
 from e2e.server import HEALTHY_WITHIN_S, post, serving
 from vllm_minicpm_hotfix.fixes import video_loader
 
 pytestmark = pytest.mark.placed("0.24.0", "0.28.0")
 
-LEAVE_OUT_SITE = Path(__file__).resolve().parent / "leave_out_site"
 SERVE_ARGS = [
     "--dtype", "bfloat16",  # the CPU GDN attention kernels require BF16
     "--max-model-len", "1024",
