@@ -18,7 +18,6 @@ Placement: every environment (no engine, no checkpoint; < 2 s after ``import vll
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from e2e import clean_env, overlay_env, pip_install, run_python, run_uv, site_packages, source_copy
+from e2e import clean_env, overlay_env, run_python, run_uv, site_packages, source_copy
 from hotfix_log import patched_pids
 from test_activation import HEAVY, IMPORT_M46, import_m46, started
 

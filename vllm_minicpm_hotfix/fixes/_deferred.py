@@ -24,7 +24,6 @@ judge them all).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import threading
 from collections.abc import Callable
