@@ -58,20 +58,23 @@ RSS_BOUND = 8 * (LARGEST_ITEM_BYTES + LARGEST_DECODED_BYTES)
 DRIFT_CASE = "same image after max_tokens 0"
 
 
-def _report(report: hostile_driver.Report) -> None:
+def _report(report: hostile_driver.Report, record_property) -> None:
+    """Print the run's line and its cases that were not what a robust server answers; the line also goes into the
+    junit report (``<property name="hostile_report">``), where docs/what-can-go-wrong.md takes its measured lines."""
+    record_property("hostile_report", report.line())
     print(f"\n{report.line()}")
     for o in report.outcomes:
         if not o.ok or not o.alive:
             print(f"  {o.case.name}: {o.statuses} alive={o.alive}: {o.messages[0][:300]}")
 
 
-def test_hotfix_answers_every_request(pip_env, tmp_path, release):
+def test_hotfix_answers_every_request(pip_env, tmp_path, release, record_property):
     with serving(pip_env, clean_env(), tmp_path, "hostile", SERVE_ARGS) as srv:
         assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
         assert str(srv.proc.pid) in patched_pids(srv.log(), "request_kwargs"), srv.log()[-6000:]
         report = hostile_driver.run(srv, f"{release} hotfix", hostile_cases.cases())
         log = srv.log()
-    _report(report)
+    _report(report, record_property)
     assert report.deaths == 0, log[-6000:]
     assert len(report.outcomes) == len(hostile_cases.cases()), "the run did not reach every case"
     bad = [o for o in report.outcomes if not o.ok and o.case.name != DRIFT_CASE]
@@ -80,11 +83,11 @@ def test_hotfix_answers_every_request(pip_env, tmp_path, release):
 
 
 @pytest.mark.placed(*STOCK_RELEASES)
-def test_stock_dies_or_answers_500_on_the_same_cases(tmp_path, release):
+def test_stock_dies_or_answers_500_on_the_same_cases(tmp_path, release, record_property):
     with serving(sys.executable, clean_env(PYTHONPATH=""), tmp_path, "hostile-stock", SERVE_ARGS) as srv:
         assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
         assert "vllm-minicpm-hotfix:" not in srv.log()
         report = hostile_driver.run(srv, f"{release} stock", hostile_cases.cases(), stop_on_death=True)
-    _report(report)
+    _report(report, record_property)
     client_500 = [o for o in report.outcomes if o.case.expect == "400" and any(s >= 500 for s in o.statuses)]
     assert report.deaths >= 1 or client_500, report.line()
