@@ -108,6 +108,8 @@ FIXED_CASES: list[Case] = [
     Case("scale_resolution 56", "valid", "200", {"scale_resolution": 56}),
     Case("downsample_mode 4x", "valid", "200", {"downsample_mode": "4x"}),
     Case("use_image_id false", "valid", "200", {"use_image_id": False}),
+    # tiny and extreme-aspect images: vllm-project/vllm#17769 (a small picture, 500) and #13655 (a 500x19 PNG,
+    # Internal Server Error on a VL model)
     Case("1x1 image", "image", "200", images=((1, 1, "RGB"),)),
     # strips: as many vision tokens as stock vLLM makes of them (no kwargs: vLLM's own limits judge them)
     Case("1x3000 strip", "image", "no-5xx", images=((1, 3000, "RGB"),)),
@@ -118,12 +120,16 @@ FIXED_CASES: list[Case] = [
     Case("grey with alpha LA", "image", "200", images=((300, 200, "LA"),)),
     Case("16-bit grey I;16", "image", "no-5xx", images=((300, 200, "I;16"),)),
     Case("2000x2000 image", "image", "200", images=((2000, 2000, "RGB"),)),
-    # broken uploads (a cut-off transfer, a client sending the wrong bytes): vLLM's own 400, the engine untouched
+    # broken uploads (a cut-off transfer, a client sending the wrong bytes): vLLM's own 400, the engine untouched.
+    # Public report: vllm-project/vllm#38253 (a truncated base64 JPEG answered 500 before that change)
     Case("truncated PNG", "media", "400", media="truncated", cause="image file is truncated"),
     Case("PNG header only", "media", "400", media="header only", cause="cannot identify image file"),
     Case("text sent as a PNG", "media", "400", media="not an image", cause="cannot identify image file"),
     Case("image data not base64", "media", "400", media="not base64", cause="base64"),
-    # batches: two images, one request's kwargs for both; concurrent mixed requests
+    # batches: two images, one request's kwargs for both; concurrent mixed requests. Public reports:
+    # vllm-project/vllm#8369 (crash after a few multi-image calls), #43473 (EngineDeadError under 2-way concurrent
+    # image requests), HabanaAI/vllm-fork#841 (`Attempted to assign ... multimodal tokens to 0 placeholders`, the
+    # engine death the notes show for MiniCPM-V kwargs)
     Case("two images, bad kwarg", "batch", "400", {"slice_mode": "no"}, images=((224, 224, "RGB"), (300, 200, "RGB")),
          cause="slice_mode"),
     Case("two images, valid kwargs", "batch", "200", {"max_slice_nums": 2},
