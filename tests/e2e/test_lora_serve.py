@@ -45,7 +45,6 @@ PROMPT = "Describe a cat."
 MAX_TOKENS = 6
 RANK = 8  # tests/lora_adapter.py RANK
 LORA_ARGS = ["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "1"]
-#: Test-only start-up code that leaves the fixes named in ``VLLM_MINICPM_HOTFIX_TEST_LEAVE_OUT`` unapplied.
 REFUSAL = "ValueError: MiniCPMV4_6ForConditionalGeneration does not support LoRA yet."
 
 

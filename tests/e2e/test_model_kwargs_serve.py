@@ -9,7 +9,7 @@ two servers of the tiny checkpoint on 127.0.0.1, one after the other:
   traceback in the log (vLLM's own, of the process that failed), and no hotfix log line reports a failure of its own;
 * **without the check**: the same server with every fix but ``request_kwargs`` (stock 0.30.0 does not load the
   checkpoint at all: the load fixes are needed first), ``request_kwargs`` left out by the test-only
-  ``sitecustomize`` tests/e2e/test_engine_serve.py uses: vLLM also fails at start-up, inside its token counting,
+  ``sitecustomize`` of tests/e2e/leave_out_site: vLLM also fails at start-up, inside its token counting,
   with an error naming none of the keys (``ValueError: math domain error`` from transformers' ``get_sliced_grid``
   on 0.30.0).
 
@@ -25,20 +25,14 @@ import pytest
 from hotfix_log import summaries
 
 import hostile_cases
-from e2e import clean_env
+from e2e import LEAVE_OUT_SITE, clean_env
 from e2e.server import FAILS_WITHIN_S, serving
-from e2e.test_engine_serve import LEAVE_OUT_SITECUSTOMIZE
+from e2e.test_bug_report_serve import CPU_ARGS
 
 pytestmark = pytest.mark.placed("0.30.0")
 
 SERVE_ARGS = [
-    "--dtype", "bfloat16",
-    "--max-model-len", "1024",
-    "--enforce-eager",
-    "--gpu-memory-utilization", "0.1",
-    "--limit-mm-per-prompt", '{"image": 1, "video": 0}',
-    "--max-num-seqs", "2",
-    "--mamba-ssm-cache-dtype", "float32",
+    *CPU_ARGS,
     "--no-enable-prefix-caching",
     "--mm-processor-kwargs", json.dumps(hostile_cases.model_level_bad()),
 ]
@@ -78,10 +72,8 @@ def test_hotfix_refuses_them_at_start_up_with_one_error(pip_env, tmp_path):
 
 
 def test_without_the_check_vllm_fails_naming_none_of_them(pip_env, tmp_path):
-    site = tmp_path / "leave-out"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(LEAVE_OUT_SITECUSTOMIZE.format(names=("request_kwargs",)))
-    log = start_and_fail(pip_env, clean_env(PYTHONPATH=str(site)), tmp_path, "without-check")
+    env = clean_env(PYTHONPATH=str(LEAVE_OUT_SITE), VLLM_MINICPM_HOTFIX_TEST_LEAVE_OUT="request_kwargs")
+    log = start_and_fail(pip_env, env, tmp_path, "without-check")
     lines = summaries(log)
     assert lines and all("request_kwargs" not in s["applied"] for s in lines), [s["line"] for s in lines]
     exceptions = EXCEPTION_LINE.findall(log)
