@@ -6,9 +6,9 @@ with the hotfix pip-installed (the ``pip_env`` session overlay), serving every c
   computed here -- twice (the second time through the processor cache's path), and the same server then answers a
   normal image request ``200``. With every fix applied no such request is known any more (``mm_placeholders`` builds
   the placeholder transformers builds for the tensors vLLM computes: tests/test_prompt_engine.py shows those requests
-  answered by a real engine), so this server runs with ``mm_placeholders`` *left out* by a test-only
-  ``sitecustomize`` (:data:`LEAVE_OUT`; its probe answers ``correct`` with a reason saying so, in every process of
-  the server): the stock-killing request of the notes (``{"max_slice_nums": 1}`` on 0.22-0.31, ``{"slice_mode":
+  answered by a real engine), so this server runs with ``mm_placeholders`` *left out* by the test-only
+  ``sitecustomize`` of tests/e2e/leave_out_site (:data:`LEAVE_OUT`; its probe answers ``correct`` with a reason
+  saying so, in every process of the server): the stock-killing request of the notes (``{"max_slice_nums": 1}`` on 0.22-0.31, ``{"slice_mode":
   false}`` on 0.32, found by running vLLM's real processor and model in this process with the same fixes) then
   reaches the guard, the last line of defence against a mismatch no fix foresaw;
 * two concurrent requests with different ``downsample_mode`` are both answered and each equals its own solo answer
@@ -37,14 +37,13 @@ import json
 import re
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
 from hotfix_log import patched_pids, summaries
 from conftest import hotfix
 
-from e2e import clean_env
+from e2e import LEAVE_OUT_SITE, clean_env
 from e2e.server import HEALTHY_WITHIN_S, chat, chat_kwargs, dev_post, healthy, serving
 from vllm_minicpm_hotfix.fixes import names
 
@@ -88,16 +87,6 @@ WEIGHTS_LOADED = re.compile(r"\((\w+) pid=(\d+)\)[^\n]*Loading weights took")
 #: Fixes the guard server leaves out (see the module docstring): without them a stock-killing request is left for
 #: the guard to refuse.
 LEAVE_OUT = ("mm_placeholders",)
-#: Test-only start-up code for the guard server (a ``sitecustomize`` on its PYTHONPATH, run by every process of the
-#: server after the ``.pth`` files that arm the hotfix): each fix in LEAVE_OUT probes ``correct``, so ``auto`` leaves
-#: it unapplied and logs why. Imports no vLLM.
-LEAVE_OUT_SITECUSTOMIZE = """
-from vllm_minicpm_hotfix.decision import State, Verdict
-from vllm_minicpm_hotfix.fixes import by_name
-
-for _name in {names!r}:
-    by_name(_name).probe = lambda module: Verdict(State.CORRECT, "left out by tests/e2e/test_engine_serve.py")
-"""
 
 KILL_SIZE = (224, 224)  # 1 source + 4 slices of 8x8 patches on the tiny checkpoint: 20 pads (16x), 80 (4x)
 #: Candidate engine-killing requests, tried in order (the notes' inputs, on the tiny checkpoint's geometry).
@@ -149,19 +138,12 @@ def kill(m46):
     return find_kill_request(m46, tuple(n for n in names() if n != "placeholder_guard" and n not in LEAVE_OUT))
 
 
-def leave_out_dir(tmp: Path) -> Path:
-    """A directory holding the test-only ``sitecustomize.py`` that leaves :data:`LEAVE_OUT` unapplied."""
-    site = tmp / "leave-out"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(LEAVE_OUT_SITECUSTOMIZE.format(names=LEAVE_OUT))
-    return site
-
-
 @pytest.fixture(scope="module")
 def server(pip_env, tmp_path_factory):
     """The hotfix pip-installed (armed by its ``.pth``), :data:`LEAVE_OUT` left out, healthy."""
     tmp = tmp_path_factory.mktemp("engine-serve")
-    env = clean_env(PYTHONPATH=str(leave_out_dir(tmp)), **SERVER_EXTRA_ENV)
+    env = clean_env(PYTHONPATH=str(LEAVE_OUT_SITE), VLLM_MINICPM_HOTFIX_TEST_LEAVE_OUT=",".join(LEAVE_OUT),
+                    **SERVER_EXTRA_ENV)
     with serving(pip_env, env, tmp, "hotfix", SERVE_ARGS) as srv:
         assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
         print(f"\nhealthy after {time.monotonic() - srv.started_at:.0f} s")
