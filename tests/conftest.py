@@ -65,8 +65,14 @@ def expected(environment) -> tuple[str, str | None]:
 
 @pytest.fixture(scope="session")
 def m46():
-    """The real ``vllm.model_executor.models.minicpmv4_6`` module."""
-    return importlib.import_module("vllm.model_executor.models.minicpmv4_6")
+    """The real ``vllm.model_executor.models.minicpmv4_6`` module, with every other family member's model module
+    this vLLM has imported too (``minicpmv4_7`` on 0.32+), as in a process serving 4.7: the fixes applied in this
+    process (:func:`hotfix`) probe and act for every member present."""
+    from vllm_minicpm_hotfix.fixes import _base
+
+    module = importlib.import_module("vllm.model_executor.models.minicpmv4_6")
+    _base.member_modules(module)  # imports the other members' modules
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -367,3 +367,67 @@ def test_doctor_fails_a_declared_member_left_broken(m46):
     assert all(rows[fix.NAME][1] == "OK" for fix in REGISTRY), rows
     ok, line = doctor_judge.judge({"child": child, "fixes": verdicts, "vllm": {"installed": True, "version": "x"}})
     assert not ok and "MiniCPM-V 4.7" in line and "image/video placeholder text" in line, line
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The order vLLM imports the members' modules in: each member probed on its own classes, once complete
+# --------------------------------------------------------------------------------------------------------------------
+
+M46, M47 = "vllm.model_executor.models.minicpmv4_6", "vllm.model_executor.models.minicpmv4_7"
+
+
+def _member_import(*modules: str) -> tuple[dict, str]:
+    """tests/member_import_child.py in a fresh interpreter of this environment: (its JSON, its log)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_MINICPM_HOTFIX", "PYTHONPATH")}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("member_import_child.py")), str(REPO),
+                           *modules], env={**env, "VLLM_TARGET_DEVICE": "cpu"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout + proc.stderr
+
+
+@pytest.mark.placed("0.33.0")
+@pytest.mark.parametrize("order", [(M47,), (M46,), (M46, M47)], ids=["4.7 served", "4.6 served", "4.6 then 4.7"])
+def test_each_member_is_probed_on_its_own_classes_whatever_the_import_order(environment, order):
+    """Serving 4.7, vLLM imports ``minicpmv4_7``, which imports ``minicpmv4_6`` first: the hook then runs before
+    4.7's classes exist. It waits for that import to end and probes 4.7 on 4.7's own classes, with the verdicts
+    tests/expected.py pins for them, and the fixes act for 4.7 exactly where its verdict is broken; one summary line
+    names both members. Serving 4.6, ``minicpmv4_7`` is never imported and nothing of 4.7 is probed. Imported
+    later (4.6 first), the hook runs again for both members on stock classes, and says so in one more WARNING line.
+    Placed on 0.33.0 (one fresh vLLM import each; 0.32.0 has the same modules, and its session is a long one)."""
+    import expected as table
+    from hotfix_log import summaries
+
+    out, log = _member_import(*order)
+    lines = summaries(log)
+    assert len(lines) == 1, log[-4000:]
+    if order == (M46,):
+        assert out["imported"] == [M46] and out["models"] == ["MiniCPM-V 4.6"], out
+        assert all("MiniCPM-V 4.7" not in rows for rows in out["rows"].values()), out["rows"]
+        assert lines[0]["models"] == ["MiniCPM-V 4.6"]
+        return
+    pinned = table.member_verdicts("MiniCPM-V 4.7", environment)
+    assert out["models"] == ["MiniCPM-V 4.6", "MiniCPM-V 4.7"], out
+    assert lines[0]["models"] == (["MiniCPM-V 4.6", "MiniCPM-V 4.7"] if order == (M47,) else ["MiniCPM-V 4.6"])
+    for name, want in pinned.items():
+        verdict, applied = out["rows"][name]["MiniCPM-V 4.7"]
+        assert verdict == want, (name, out["rows"][name])
+        assert applied is (want == "broken"), (name, out["rows"][name])
+        assert ("MiniCPM-V 4.7" in out["active"].get(name, ())) is (want == "broken"), (name, out["active"])
+    rerun = [line for line in log.splitlines() if "imported in pid" in line and "every fix re-run" in line]
+    assert len(rerun) == (1 if order == (M46, M47) else 0), log[-4000:]
+
+
+def test_the_hook_watches_every_other_member_module():
+    """hook.MEMBER_MODULES (kept out of the light hook module's imports) is every family module but the hook's own."""
+    from vllm_minicpm_hotfix import hook
+
+    assert set(hook.MEMBER_MODULES) == set(_base.FAMILY) - {hook.TARGET_MODULE}

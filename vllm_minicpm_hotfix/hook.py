@@ -8,14 +8,17 @@ runs when vLLM imports the model module, or at once if it is already imported. E
 
 from __future__ import annotations
 
+import sys
 import threading
 import traceback
 from collections.abc import Callable
 from types import ModuleType
 
-from .record import FixStatus, current, installed_vllm_version, log_summary, logger
+from .record import FixStatus, current, installed_vllm_version, log_summary, logger, summary_line
 
 TARGET_MODULE = "vllm.model_executor.models.minicpmv4_6"
+#: The other family members' model modules (``fixes._base.FAMILY``; not imported here, to keep this module light).
+MEMBER_MODULES = ("vllm.model_executor.models.minicpmv4_7",)
 
 _LOCK = threading.Lock()
 _installed = False
@@ -32,6 +35,14 @@ def on_import(module: ModuleType) -> None:
     except Exception:  # pragma: no cover - the status record itself broken
         pass
     try:
+        waiting = [name for name in MEMBER_MODULES if _initialising(name)]
+    except Exception:  # noqa: BLE001 - pragma: no cover
+        waiting = []
+    if waiting:  # vLLM is importing 4.7, which imports this module first: on_member_import runs the fixes
+        logger.info("vllm-minicpm-hotfix: %s imported by %s: the fixes run when that import is complete",
+                    module.__name__, ", ".join(waiting))
+        return
+    try:
         from .fixes import REGISTRY, _base
     except Exception as exc:  # noqa: BLE001 - a broken install must not break vLLM's import
         logger.warning("vllm-minicpm-hotfix: the fixes could not be imported, vLLM left unpatched: %s", exc)
@@ -39,10 +50,57 @@ def on_import(module: ModuleType) -> None:
     for fix in REGISTRY:
         _guarded(fix.NAME, fix.LABEL, lambda m, fix=fix: _base.run(fix, m), module)
     try:
-        status.models = list(_base.member_modules(module))  # the members every fix was just probed for
+        # The members every fix was just probed for: those whose model module vLLM has finished importing.
+        status.models = list(_base.member_modules(module, imported_only=True))
         log_summary(status, [fix.NAME for fix in REGISTRY])
     except Exception as exc:  # noqa: BLE001 - pragma: no cover - the summary itself broken
         logger.warning("vllm-minicpm-hotfix: the summary line failed: %s\n%s", exc, traceback.format_exc())
+
+
+def _initialising(name: str) -> bool:
+    """Whether the model module ``name`` is being imported right now (in ``sys.modules``, body not complete)."""
+    from .fixes import _base
+
+    return _base.initialising(name)
+
+
+def on_member_import(member_module: ModuleType) -> None:
+    """The post-import hook on every other family member's model module (:data:`MEMBER_MODULES`: vLLM 0.32+'s
+    ``minicpmv4_7``), run when that module's body is complete.
+
+    Serving 4.7, vLLM imports ``minicpmv4_7``, which imports ``minicpmv4_6`` first: :func:`on_import` then finds
+    ``minicpmv4_7`` still executing (its classes do not exist yet) and waits; this runs :func:`on_import` once
+    ``minicpmv4_7`` is complete, so every fix probes 4.6 and 4.7 on their own, unpatched classes. If the hook already
+    ran without the member (a process that imported ``minicpmv4_6`` alone and ``minicpmv4_7`` later), every fix is
+    reverted and the hook runs again with both members -- probes judge stock classes, and two fixes on one
+    attribute chain in registry order -- and one WARNING line says so (the summary line is logged once per process).
+    Nothing happens if the hook already probed the member. Never raises: a failure is logged."""
+    try:
+        from .fixes import _base
+
+        _base.mark_complete(member_module.__name__)
+        member = _base.FAMILY.get(member_module.__name__)
+        target = sys.modules.get(TARGET_MODULE)
+        status = current()
+        if member is None or target is None or member in status.models:
+            return
+        ran = bool(status.fixes)
+        if ran:
+            _base.revert()
+        on_import(target)
+        if ran:
+            logger.warning("vllm-minicpm-hotfix: %s imported in pid %d after the summary line; every fix re-run for %s: "
+                           "%s", member, status.pid, ", ".join(current().models),
+                           summary_line(current(), [f.NAME for f in _registry()]).split(": ", 2)[-1])
+    except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's import
+        logger.warning("vllm-minicpm-hotfix: the post-import hook on %s failed: %s\n%s",
+                       getattr(member_module, "__name__", "?"), exc, traceback.format_exc())
+
+
+def _registry() -> list:
+    from .fixes import REGISTRY
+
+    return REGISTRY
 
 
 def _guarded(name: str, label: str, apply: Callable[[ModuleType], object], module: ModuleType) -> None:
@@ -81,4 +139,6 @@ def install() -> bool:
         _installed = True
         current().hook_installed = True
         wrapt.register_post_import_hook(on_import, TARGET_MODULE)
+        for name in MEMBER_MODULES:
+            wrapt.register_post_import_hook(on_member_import, name)
         return True

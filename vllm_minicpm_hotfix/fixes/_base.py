@@ -148,23 +148,56 @@ def unknown_subclasses(fix: ModuleType, module: ModuleType) -> dict[str, dict[st
     return out
 
 
-def member_modules(module: ModuleType) -> dict[str, ModuleType]:
+def member_modules(module: ModuleType, *, imported_only: bool = False) -> dict[str, ModuleType]:
     """The family members present in this vLLM, each as the module a fix's probe runs on: ``module`` (vLLM's 4.6
     model module) for its own member and, for every other member whose model module exists here
     (``vllm.model_executor.models.minicpmv4_7`` on vLLM 0.32+; imported now if vLLM has not yet), a view of
     ``module`` whose 4.6 classes (``MiniCPMV4_6ProcessingInfo`` ...) are that member's subclasses of them
     (``MiniCPMV4_7ProcessingInfo`` ...; classes the member does not subclass, e.g. the window attention, stay
     4.6's). A probe written against the 4.6 names thereby judges the member's own classes. Never raises: a member
-    module that fails to import is left out."""
+    module that fails to import is left out.
+
+    ``imported_only`` (the post-import hook and first-use probes): only the members whose model module vLLM has
+    finished importing in this process (:func:`imported_member`). A process serving 4.6 never imports
+    ``minicpmv4_7``, so nothing of 4.7 runs there; a process serving 4.7 imports ``minicpmv4_7``, which imports
+    ``minicpmv4_6`` first -- the hook then runs while ``minicpmv4_7`` is still being executed, before its classes
+    exist, and the whole hook runs at the end of that import instead
+    (:func:`vllm_minicpm_hotfix.hook.on_member_import`)."""
     own = FAMILY.get(module.__name__, DEFAULT_MODELS[0])
     out: dict[str, ModuleType] = {own: module}
     for mod_name, member in FAMILY.items():
         if member in out:
             continue
-        other = _import_member(mod_name)
+        other = imported_member(mod_name) if imported_only else _import_member(mod_name)
         if other is not None:
             out[member] = member_view(module, other)
     return out
+
+
+#: Model modules whose body has run to its end (their post-import hook fired): importlib keeps
+#: ``__spec__._initializing`` set until its loader returns, which is after wrapt's post-import hooks ran.
+_COMPLETE: set[str] = set()
+
+
+def mark_complete(mod_name: str) -> None:
+    """Record that ``mod_name``'s body has been executed to its end (called from its post-import hook)."""
+    _COMPLETE.add(mod_name)
+
+
+def initialising(mod_name: str) -> bool:
+    """Whether ``mod_name`` is in ``sys.modules`` but its body is still being executed (importlib's
+    ``__spec__._initializing``, unless :func:`mark_complete` said otherwise): its classes may not exist yet."""
+    mod = sys.modules.get(mod_name)
+    if mod is None or mod_name in _COMPLETE:
+        return False
+    return bool(getattr(getattr(mod, "__spec__", None), "_initializing", False))
+
+
+def imported_member(mod_name: str) -> ModuleType | None:
+    """The member model module ``mod_name`` if vLLM has finished importing it in this process, else None (never
+    imports anything)."""
+    mod = sys.modules.get(mod_name)
+    return None if mod is None or initialising(mod_name) else mod
 
 
 def _import_member(mod_name: str) -> ModuleType | None:
@@ -409,15 +442,19 @@ def run(fix: ModuleType, module: ModuleType) -> FixStatus:
     if mode is not decision.Mode.OFF and _deferred.enabled(fix):  # probed at first use of its code path
         deferred = _deferred.defer(fix, module, mode)
         if deferred is not None:
-            for member in member_modules(module):  # one row per member, as decide_and_apply writes them
-                declared = member in models_of(fix)
-                deferred.models[member] = {
-                    "declared": declared, "verdict": deferred.verdict if declared else "n/a", "reason": deferred.reason,
-                    "applied": False, "why": deferred.why if declared else
-                    f"{fix.NAME} does not declare {member}: its instances get vLLM's own code"}
+            for member in member_modules(module, imported_only=True):  # one row per member, as decide_and_apply writes
+                deferred.models[member] = _pending_row(fix, member, deferred)
             deferred.models.update(unknown_subclasses(fix, module))  # said now, not only at first use
             return deferred
     return decide_and_apply(fix, module, mode)
+
+
+def _pending_row(fix: ModuleType, member: str, entry: FixStatus) -> dict[str, Any]:
+    """The status row of ``member`` for a fix whose probe waits for first use (:mod:`._deferred`)."""
+    declared = member in models_of(fix)
+    return {"declared": declared, "verdict": entry.verdict if declared else "n/a", "reason": entry.reason,
+            "applied": False, "why": entry.why if declared else
+            f"{fix.NAME} does not declare {member}: its instances get vLLM's own code"}
 
 
 def decide_and_apply(fix: ModuleType, module: ModuleType, mode: decision.Mode,
@@ -433,7 +470,7 @@ def decide_and_apply(fix: ModuleType, module: ModuleType, mode: decision.Mode,
     rows: dict[str, dict[str, Any]] = {}
     choices: dict[str, decision.Decision] = {}
     verdicts: dict[str, decision.Verdict] = {}
-    for member, view in member_modules(module).items():
+    for member, view in member_modules(module, imported_only=True).items():
         if member not in declared:
             rows[member] = {"declared": False, "verdict": "n/a", "reason": "", "applied": False,
                             "why": f"{name} does not declare {member}: its instances get vLLM's own code"}
