@@ -331,7 +331,7 @@ def test_probe_patch_layout_is_transformers_own(shape):
 
     image = torch.randn(*shape)
     ref = MiniCPMV4_6ImageProcessor().reshape_by_patch(image, 14)
-    ours = encoder_modes._probe_image_processor_class(MiniCPMV4_6ImageProcessor)().reshape_by_patch(image, 14)
+    ours = encoder_modes._probe_image_processor(MiniCPMV4_6ImageProcessor).reshape_by_patch(image, 14)
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
     assert torch.equal(ours, ref)
 

@@ -633,17 +633,19 @@ def test_stock_version_crash(m46, pairs, family):
 
 
 def test_verdicts(m46, family, environment):
-    """Each fix's probe on stock vLLM, as tests/expected.py pins it; the mm_placeholders probe names this family's
-    sub-defects and finds the others equal."""
+    """Each fix's probe on stock vLLM, as tests/expected.py pins it; the mm_placeholders cases find this family's
+    sub-defects and the others equal, and its probe names the first of them it runs."""
     release = vllm_release()
     want = {name: table.verdict(name, environment) for name in MINE}
     got = {name: by_name(name).probe(m46) for name in MINE}
     assert {k: v.state.value for k, v in got.items()} == want, {k: v.reason for k, v in got.items()}
-    reason = got["mm_placeholders"].reason
     broken = PROBE_BROKEN[family] | PROBE_BROKEN_EXTRA.get(release, set())
     named = {case[0] for case in by_name("mm_placeholders").CASES}
-    listed = "; " + reason.split("; equal: ")[0].split(": ", 1)[1]
-    assert {n for n in named if f"; {n} (" in listed} == broken, reason
+    found = by_name("mm_placeholders").check_cases(m46)  # every case (the probe stops at the first broken one)
+    assert {n for n, state, _ in found if state.value == "broken"} == broken, found
+    assert {n for n, state, _ in found if state.value == "correct"} == named - broken, found
+    first = next(n for n in by_name("mm_placeholders").PROBE_ORDER if n in broken)
+    assert f": {first} (" in got["mm_placeholders"].reason, got["mm_placeholders"].reason
 
 
 @pytest.mark.parametrize("mode", ["auto", "force", "off"])

@@ -326,12 +326,14 @@ def reshape_by_patch(image: Any, patch_size: int) -> Any:
     return image.reshape(c, h // p, p, w // p, p).permute(0, 2, 1, 3, 4).reshape(c, p, -1)
 
 
-@functools.lru_cache(maxsize=4)
-def _probe_image_processor_class(base: type) -> type:
-    """``base`` (transformers' ``MiniCPMV4_6ImageProcessor``) with :func:`reshape_by_patch` in place of its own:
-    the probe judges rows and flags, never pixel values, and the values are the same anyway."""
-    return type(base.__name__, (base,), {"reshape_by_patch": lambda self, image, patch_size: reshape_by_patch(
-        image, patch_size), "__module__": __name__})
+def _probe_image_processor(cls: type, **kwargs: Any) -> Any:
+    """An instance of ``cls`` (transformers' ``MiniCPMV4_6ImageProcessor``) built with ``kwargs`` whose
+    ``reshape_by_patch`` is :func:`reshape_by_patch` (an instance attribute: a subclass would cost transformers'
+    class set-up, milliseconds): the probe judges rows and flags, never pixel values, and the values are the same
+    anyway."""
+    processor = cls(**kwargs)
+    processor.reshape_by_patch = lambda image, patch_size: reshape_by_patch(image, patch_size)
+    return processor
 
 
 def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int]:
@@ -342,8 +344,7 @@ def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int]:
 
     proc_cls = getattr(module, PROCESSOR_CLASS)
     info_cls = getattr(module, "MiniCPMV4_6ProcessingInfo")
-    image_processor = _probe_image_processor_class(MiniCPMV4_6ImageProcessor)(
-        scale_resolution=56)  # 28x28 -> 56x56: 4x4 patches, cheap
+    image_processor = _probe_image_processor(MiniCPMV4_6ImageProcessor, scale_resolution=56)  # 28x28 -> 56x56
     info = object.__new__(info_cls)
     video = [np.zeros((28, 28, 3), dtype=np.uint8)]
     request = {"downsample_mode": "4x"}

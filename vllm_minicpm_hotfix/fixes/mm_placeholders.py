@@ -295,10 +295,19 @@ def _compare(got: str, want: str, modality: str) -> str:
     return f"same pads, text differs ({len(got)} vs {len(want)} characters)"
 
 
-def check_cases(module: ModuleType, cases: Any = CASES) -> list[tuple[str, State, str]]:
-    """Run each of ``cases`` through the installed processor and transformers: ``(defect, state, detail)``."""
+#: The order :func:`probe` runs :data:`CASES` in: first the case every release gets wrong (a request's
+#: ``slice_mode: false``, tests/test_prompt_conformance.py's families A-D), so that on a broken release the probe
+#: stops after one case.
+PROBE_ORDER: tuple[str, ...] = ("request slice_mode",) + tuple(c[0] for c in CASES if c[0] != "request slice_mode")
+
+
+def check_cases(module: ModuleType, cases: Any = CASES, *, first_broken: bool = False) -> list[tuple[str, State, str]]:
+    """Run each of ``cases`` through the installed processor and transformers: ``(defect, state, detail)``. With
+    ``first_broken``, stop after the first case that is broken."""
     found = []
     for name, modality, size, frames, model_kwargs, request_kwargs in cases:
+        if first_broken and found and found[-1][1] is State.BROKEN:
+            break
         label = f"{size[0]}x{size[1]}" + (f"x{frames} frames" if modality == "video" else "")
         try:
             item = _probe_item(modality, size, frames)
@@ -324,8 +333,9 @@ def probe(module: ModuleType) -> Verdict:
     Runs the installed ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates`` (and, for videos, its
     ``process_mm_inputs``) on stand-ins over a real transformers ``MiniCPMV4_6Processor`` and compares the resolved
     text with what that processor produces for the same item and kwargs. ``broken`` if any case differs or raises
-    (the reason lists them), ``correct`` if all are equal, ``undetermined`` if a case could not run.
-    Never raises; leaves ``module`` unchanged. Costs ~50 ms.
+    (it stops at the first that does, :data:`PROBE_ORDER`: the reason names it), ``correct`` if all are equal,
+    ``undetermined`` if a case could not run. Never raises; leaves ``module`` unchanged. Costs about 1 ms on a
+    release where the first case differs, 6-8 ms where every case runs.
     """
     info_cls, proc_cls = getattr(module, INFO_CLASS, None), getattr(module, PROC_CLASS, None)
     missing = [
@@ -340,15 +350,18 @@ def probe(module: ModuleType) -> Verdict:
         mp.stand_in_tokenizer()
     except Exception as exc:
         return Verdict(State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
-    found = check_cases(module)
+    by_name = {case[0]: case for case in CASES}
+    found = check_cases(module, [by_name[name] for name in PROBE_ORDER], first_broken=True)
     broken = [f"{name} ({detail})" for name, state, detail in found if state is State.BROKEN]
     unsure = [f"{name} ({detail})" for name, state, detail in found if state is State.UNDETERMINED]
     if broken:
         ok = [name for name, state, _ in found if state is State.CORRECT]
+        rest = len(CASES) - len(found)
         return Verdict(
             State.BROKEN,
             f"vLLM's placeholder differs from transformers': {'; '.join(broken)}"
-            + (f"; equal: {', '.join(ok)}" if ok else ""),
+            + (f"; equal: {', '.join(ok)}" if ok else "")
+            + (f"; {rest} more probe cases not run (check_cases runs them all)" if rest else ""),
         )
     if unsure:
         return Verdict(State.UNDETERMINED, f"could not compare: {'; '.join(unsure)}")
