@@ -22,6 +22,7 @@ Three parts, all on the real vLLM of this environment (CPU):
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -150,21 +151,19 @@ CHECKPOINTS = {
 def bad(tmp_path_factory, base):
     """``bad(name)`` -> the folder of checkpoint ``name`` (written once per module)."""
     root = tmp_path_factory.mktemp("bad-checkpoints")
-    made: dict[str, Path] = {}
 
+    @functools.cache
     def get(name: str) -> Path:
-        if name not in made:
-            spec = CHECKPOINTS[name](base)
-            if "files" in spec:
-                d = write_checkpoint(root / name, files=spec["files"])
-            else:
-                d = write_checkpoint(root / name, spec)
-            if "truncate" in spec:
-                f = d / spec["truncate"]
-                data = f.read_bytes()
-                f.write_bytes(data[: len(data) // 2])
-            made[name] = d
-        return made[name]
+        spec = CHECKPOINTS[name](base)
+        if "files" in spec:
+            d = write_checkpoint(root / name, files=spec["files"])
+        else:
+            d = write_checkpoint(root / name, spec)
+        if "truncate" in spec:
+            f = d / spec["truncate"]
+            data = f.read_bytes()
+            f.write_bytes(data[: len(data) // 2])
+        return d
 
     return get
 
