@@ -21,7 +21,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from support.environment import hotfix_mode, hotfix_mode_set  # noqa: E402,F401  (hotfix_mode: a fixture for every module)
+# hotfix_mode: a fixture for every module; hotfix_mode_set: the same for a block (hotfix() below)
+from support.environment import hotfix_mode, hotfix_mode_set  # noqa: E402,F401
 
 TINY = REPO / "vllm_minicpm_hotfix" / "data" / "tiny-minicpm-v46"
 MAKE_CHECKPOINT = REPO / "scripts" / "make_tiny_checkpoint.py"

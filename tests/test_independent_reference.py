@@ -4,9 +4,9 @@ README's claim "the model loads bit-exact" is checked here on the *whole* model 
 names and values -- not only on the vit_merger tensors the hotfix touches: a loader that wrote a neighbouring
 parameter, left one unloaded (uninitialised memory), or loaded a tensor twice would show. The reference is not the
 hotfix's output: tests/programs/reference_state_dict.py runs in a fresh interpreter of the vLLM 0.32.0 environment
-(a release whose own q/k/v loading is correct: tests/expected.py ``VERDICTS``) with ``VLLM_MINICPM_HOTFIX=off`` and without the
-package on its path (it refuses to run otherwise), builds the model with vLLM's own API and loads it with vLLM's
-``DefaultModelLoader.load_weights``; it is written once per test session to safetensors files.
+(a release whose own q/k/v loading is correct: tests/expected.py ``VERDICTS``) with ``VLLM_MINICPM_HOTFIX=off`` and
+without the package on its path (it refuses to run otherwise), builds the model with vLLM's own API and loads it with
+vLLM's ``DefaultModelLoader.load_weights``; it is written once per test session to safetensors files.
 
 This side does the same in this process: the model built on CPU, every fix of the registry applied as the
 post-import hook applies them under ``auto``, the same ``DefaultModelLoader.load_weights``. Checkpoints: the bundled (tied embeddings),
