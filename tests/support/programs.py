@@ -28,14 +28,17 @@ def program(name: str) -> Path:
 
 def run_program(name: str, *args: str | os.PathLike, python: str | os.PathLike = sys.executable,
                 env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None, timeout: float = 300,
-                flags: tuple[str, ...] = (), check: bool = True) -> subprocess.CompletedProcess:
+                flags: tuple[str, ...] = (), check: bool = True, new_session: bool = False,
+                ) -> subprocess.CompletedProcess:
     """``python FLAGS tests/programs/NAME.py ARGS`` with ``env`` (None: this process's) in ``cwd``, output captured
-    as text, bounded by ``timeout`` seconds (``subprocess.TimeoutExpired`` past it).
+    as text, bounded by ``timeout`` seconds (``subprocess.TimeoutExpired`` past it); ``new_session``: in a session
+    (and process group) of its own, so that what it starts and stops (a vLLM engine) cannot signal the test's.
 
     Returns the ``CompletedProcess``. With ``check`` (the default) a non-zero exit raises ``AssertionError`` naming
     the program, its return code and the tail of its stderr and stdout."""
     cmd = [str(python), *flags, str(program(name)), *map(str, args)]
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
+                          start_new_session=new_session)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"program {name} ({' '.join(cmd)}) exited {proc.returncode}\n"
