@@ -21,6 +21,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+# hotfix_mode: a fixture for every module; hotfix_mode_set: the same for a block (hotfix() below)
+from support.environment import hotfix_mode, hotfix_mode_set  # noqa: E402,F401
+
 TINY = REPO / "vllm_minicpm_hotfix" / "data" / "tiny-minicpm-v46"
 MAKE_CHECKPOINT = REPO / "scripts" / "make_tiny_checkpoint.py"
 
@@ -100,31 +103,23 @@ def hotfix(m46, mode: str, fixes: tuple[str, ...] = ("qkv_loader",)):
     imported module as the post-import hook would under ``VLLM_MINICPM_HOTFIX=mode``; yields the first one's
     :class:`~vllm_minicpm_hotfix.record.FixStatus` (or a dict NAME -> FixStatus when several are named); reverts on
     exit so the next test sees stock vLLM again."""
-    from vllm_minicpm_hotfix import record
     from vllm_minicpm_hotfix.fixes import REGISTRY, _base
 
     chosen = [f for f in REGISTRY if fixes is None or f.NAME in fixes]
     unknown = set(fixes or ()) - {f.NAME for f in chosen}
     assert not unknown, f"unknown fixes {unknown}"
-    old = os.environ.get("VLLM_MINICPM_HOTFIX")
-    os.environ["VLLM_MINICPM_HOTFIX"] = mode
-    record._STATUS = None
-    try:
-        out = {}
+    with hotfix_mode_set(mode):
         try:
-            for fix in chosen:
-                out[fix.NAME] = _base.run(fix, m46)
-        except BaseException:
+            out = {}
+            try:
+                for fix in chosen:
+                    out[fix.NAME] = _base.run(fix, m46)
+            except BaseException:
+                _base.revert(m46)
+                raise
+            yield out[chosen[0].NAME] if fixes is not None and len(chosen) == 1 else out
+        finally:
             _base.revert(m46)
-            raise
-        yield out[chosen[0].NAME] if fixes is not None and len(chosen) == 1 else out
-    finally:
-        _base.revert(m46)
-        record._STATUS = None
-        if old is None:
-            os.environ.pop("VLLM_MINICPM_HOTFIX", None)
-        else:
-            os.environ["VLLM_MINICPM_HOTFIX"] = old
 
 
 @pytest.fixture(autouse=True)

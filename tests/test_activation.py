@@ -21,21 +21,14 @@ from pathlib import Path
 
 import pytest
 from conftest import FULL_ENVS, REPO
-from e2e import (
-    clean_env,
-    overlay_env,
-    pip_install,
-    run_python,
-    site_packages,
-    source_copy,
-)
+from e2e import clean_env, overlay_env, pip_install, site_packages, source_copy
 from hotfix_log import patched_pids, summaries
+from support.programs import run_program, run_reporting
 
 from vllm_minicpm_hotfix import _bootstrap, bundle
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 
-M46 = "vllm.model_executor.models.minicpmv4_6"
 HEAVY = ("wrapt", "torch", "vllm", "transformers")
 
 
@@ -46,46 +39,14 @@ HEAVY = ("wrapt", "torch", "vllm", "transformers")
 
 def started(python, *, pythonpath: str = "", cwd, **env: str) -> tuple[dict, str]:
     """What a fresh interpreter looks like right after start-up, before it imports anything itself."""
-    code = """
-import sys, json
-site_mod = sys.modules.get("sitecustomize")
-print(json.dumps({
-    "modules": sorted(sys.modules),
-    "waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
-    "sitecustomize": getattr(site_mod, "__file__", None),
-    "chained": getattr(getattr(site_mod, "CHAINED", None), "__file__", None),
-    "image_marker": getattr(sys, "image_sitecustomize_ran", None),
-}))
-"""
-    return run_python(python, code, env=clean_env(PYTHONPATH=pythonpath, **env), cwd=cwd, timeout=60)
+    return run_reporting("started", python=python, env=clean_env(PYTHONPATH=pythonpath, **env), cwd=cwd, timeout=60)
 
 
-# Imports vLLM's model module as vLLM would, then lets vLLM load its general plugins, and reports.
-IMPORT_M46 = f"""
-import sys, json
-import {M46} as m
-import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix import _bootstrap
-from vllm_minicpm_hotfix.fixes import _base, processor_mode, qkv_loader
-before_plugins = list(_bootstrap.activations)
-from vllm.plugins import load_general_plugins
-load_general_plugins()
-wrapt = sys.modules.get("wrapt")
-print(json.dumps({{
-    "status": h.status(),
-    "package": h.__file__,
-    "activations_before_plugins": before_plugins,
-    "activations": _bootstrap.activations,
-    "qkv_patched": _base.is_patched(qkv_loader, m),
-    "processor_patched": _base.is_patched(processor_mode, m),
-    "wrapt": getattr(wrapt, "__file__", None),
-    "waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
-}}))
-"""
-
-
-def import_m46(python, *, pythonpath: str = "", cwd, **env: str) -> tuple[dict, str]:
-    return run_python(python, IMPORT_M46, env=clean_env(PYTHONPATH=pythonpath, **env), cwd=cwd, timeout=300)
+def import_m46(python, *args: str, pythonpath: str = "", cwd, **env: str) -> tuple[dict, str]:
+    """tests/programs/import_m46.py: vLLM's model module imported as vLLM would, then vLLM's general plugins loaded
+    (``--no-plugins``: not), and a report of what activated."""
+    return run_reporting("import_m46", *args, python=python, env=clean_env(PYTHONPATH=pythonpath, **env), cwd=cwd,
+                         timeout=300)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -128,12 +89,7 @@ def test_editable_install_ships_the_pth(work, tmp_path):
     pip_install(python, "-e", str(src))
     for name in ("vllm-minicpm-hotfix.pth", "vllm-minicpm-hotfix.start"):
         assert (site_packages(python) / name).read_text() == (REPO / name).read_text(), name
-    out, _ = run_python(
-        python,
-        "import sys, json, vllm_minicpm_hotfix as h; print(json.dumps({'file': h.__file__, "
-        "'waiting': [f.source for f in sys.meta_path if getattr(f, '_vllm_minicpm_hotfix_waiting', False)]}))",
-        env=clean_env(), cwd=tmp_path,
-    )
+    out, _ = run_reporting("package_file", python=python, env=clean_env(), cwd=tmp_path)
     assert out["waiting"] == ["pth"]
     assert Path(out["file"]).resolve().is_relative_to(src.resolve())
 
@@ -159,8 +115,7 @@ def test_pth_without_its_start_up_module_reports_and_start_up_goes_on(wheel, tmp
     python = overlay_env(tmp_path / "env")
     pip_install(python, str(wheel))
     (site_packages(python) / "_vllm_minicpm_hotfix_arm.py").unlink()
-    proc = subprocess.run([str(python), "-c", "print('ran')"], env=clean_env(), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60, check=False)
+    proc = run_program("print_ran", python=python, env=clean_env(), cwd=tmp_path, timeout=60, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ran"
     assert "Error processing line 4 of" in proc.stderr and "vllm-minicpm-hotfix.pth" in proc.stderr
     assert "No module named '_vllm_minicpm_hotfix_arm'" in proc.stderr
@@ -246,16 +201,6 @@ def test_sitecustomize_never_raises(bundle_dir, image_site, tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-REGISTER = """
-import sys, json
-from vllm_minicpm_hotfix import plugin, _bootstrap, hook
-result = plugin.register()
-print(json.dumps({"result": repr(result), "installed": hook._installed, "activations": _bootstrap.activations,
-                  "wrapt": getattr(sys.modules.get("wrapt"), "__file__", None),
-                  "waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]}))
-"""
-
-
 def test_off_disables_every_automatic_path(pip_env, bundle_dir, tmp_path):
     """pth + sitecustomize + plugin all present, ``VLLM_MINICPM_HOTFIX=off``: nothing armed at start-up, nothing
     imported, and ``register()`` -- what vLLM calls in each of its processes -- installs nothing. vLLM itself is not
@@ -263,8 +208,8 @@ def test_off_disables_every_automatic_path(pip_env, bundle_dir, tmp_path):
     out, _ = started(pip_env, pythonpath=str(bundle_dir), cwd=tmp_path, VLLM_MINICPM_HOTFIX="off")
     assert out["waiting"] == []
     assert not [m for m in out["modules"] if m.split(".")[0] in HEAVY]
-    reg, _ = run_python(pip_env, REGISTER, env=clean_env(PYTHONPATH=str(bundle_dir), VLLM_MINICPM_HOTFIX="off"),
-                        cwd=tmp_path)
+    reg, _ = run_reporting("register", python=pip_env,
+                           env=clean_env(PYTHONPATH=str(bundle_dir), VLLM_MINICPM_HOTFIX="off"), cwd=tmp_path)
     assert reg == {"result": "None", "installed": False, "activations": [], "wrapt": None, "waiting": []}
 
 
@@ -272,27 +217,26 @@ def test_register_never_raises(bare_env, tmp_path):
     """No wrapt anywhere (package on sys.path by hand, no bundle), then a wrapt that raises on import: register()
     returns None, logs why, and leaves the hook uninstalled."""
     env = clean_env(PYTHONPATH="")
-    code = f"import sys; sys.path.append({str(REPO)!r})\n" + REGISTER
-    out, log = run_python(bare_env, code, env=env, cwd=tmp_path)
+    out, log = run_reporting("register", "--append", REPO, python=bare_env, env=env, cwd=tmp_path)
     assert out["result"] == "None" and out["installed"] is False and out["activations"] == []
     assert "could not activate (plugin)" in log and "wrapt" in log
 
     broken = tmp_path / "broken-wrapt"
     (broken / "wrapt").mkdir(parents=True)
     (broken / "wrapt" / "__init__.py").write_text("raise RuntimeError('broken wrapt')\n")
-    code = f"import sys; sys.path[:0] = [{str(broken)!r}, {str(REPO)!r}]\n" + REGISTER
-    out, log = run_python(sys.executable, code, env=env, cwd=tmp_path)
+    out, log = run_reporting("register", "--prepend", broken, "--prepend", REPO, env=env, cwd=tmp_path)
     assert out["result"] == "None" and out["installed"] is False
     assert "broken wrapt" in log
 
 
 def test_bundle_uses_its_wrapt_only_when_the_environment_has_none(bare_env, bundle_dir, tmp_path):
     """install_now() (what the finder calls on ``import vllm``) picks the environment's wrapt where there is one."""
-    code = REGISTER.replace("plugin.register()", "_bootstrap.install_now('test')")
-    with_wrapt, _ = run_python(sys.executable, code, env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
+    with_wrapt, _ = run_reporting("register", "--install-now", env=clean_env(PYTHONPATH=str(bundle_dir)),
+                                  cwd=tmp_path)
     assert with_wrapt["installed"] is True
     assert Path(with_wrapt["wrapt"]).resolve().is_relative_to(site_packages().resolve())
-    without, _ = run_python(bare_env, code, env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
+    without, _ = run_reporting("register", "--install-now", python=bare_env,
+                               env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
     assert without["installed"] is True
     assert Path(without["wrapt"]).resolve().is_relative_to((bundle_dir / _bootstrap.VENDOR_DIR).resolve())
 

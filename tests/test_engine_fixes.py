@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import expected as table
 import numpy as np
@@ -33,7 +32,7 @@ import pytest
 import torch
 from conftest import TINY, hotfix
 
-from vllm_minicpm_hotfix import decision, hook, record
+from vllm_minicpm_hotfix import hook, record
 from vllm_minicpm_hotfix.fixes import _base, encoder_modes, placeholder_guard, video_budget, video_tower
 
 #: The fixes without which this environment cannot process an image at all (they are not under test here).
@@ -517,12 +516,10 @@ def test_video_budget_never_lowers_and_follows_media_io_kwargs(m46):
 
 
 @pytest.mark.parametrize("mode", ["auto", "force", "off"])
-def test_modes(m46, vproc, environment, mode):
+def test_modes(m46, vproc, environment, mode, hotfix_mode):
     """The hook under each mode: ``off`` applies none of them (and a mismatching request passes the processor as
     stock), ``force`` all, ``auto`` exactly the ones pinned broken here; ``status()`` says so."""
-    old = os.environ.get(decision.ENV_VAR)
-    os.environ[decision.ENV_VAR] = mode
-    record._STATUS = None
+    hotfix_mode(mode)
     try:
         hook.on_import(m46)
         st = record.current()
@@ -541,11 +538,6 @@ def test_modes(m46, vproc, environment, mode):
                 assert pads_in_prompt(vproc, out) == pads
     finally:
         _base.revert(m46)
-        record._STATUS = None
-        if old is None:
-            os.environ.pop(decision.ENV_VAR, None)
-        else:
-            os.environ[decision.ENV_VAR] = old
 
 
 def test_apply_is_all_or_nothing(m46, monkeypatch):

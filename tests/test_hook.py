@@ -3,15 +3,13 @@ vLLM's model module)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
-import sys
 import types
 
 import pytest
-from conftest import FULL_ENVS, REPO, hotfix
+from conftest import FULL_ENVS, hotfix
+from support.programs import run_reporting
 
 from vllm_minicpm_hotfix import decision, hook, record
 from vllm_minicpm_hotfix.fixes import REGISTRY, _base, names, qkv_loader
@@ -20,27 +18,14 @@ ATTN = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
 MODEL = "MiniCPMV4_6ForConditionalGeneration"
 
 
-def fresh_python(code: str, **env: str) -> dict:
-    """Run ``code`` in a new interpreter of this environment (our package importable, nothing activated) and return
-    the JSON object it prints last, with everything it logged (vLLM logs to stdout, Python's last resort to stderr)."""
+def fresh_python(program: str, **env: str) -> tuple[dict, str]:
+    """Run ``tests/programs/<program>.py`` in a new interpreter of this environment (the program puts our package
+    first on ``sys.path``; nothing activated) and return the JSON object it prints last, with everything it logged
+    (vLLM logs to stdout, Python's last resort to stderr)."""
     full_env = {**os.environ, "PYTHONPATH": "", "VLLM_TARGET_DEVICE": "cpu", **env}
     if "VLLM_MINICPM_HOTFIX" not in env:
         full_env.pop("VLLM_MINICPM_HOTFIX", None)
-    prog = f"import sys, json; sys.path.insert(0, {str(REPO)!r})\n{code}"
-    proc = subprocess.run([sys.executable, "-c", prog], env=full_env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout + proc.stderr
-
-
-INSTALL_THEN_IMPORT = """
-import vllm_minicpm_hotfix as h
-first = h.install(); second = h.install()
-import vllm.model_executor.models.minicpmv4_6 as m
-from vllm_minicpm_hotfix.fixes import REGISTRY, _base, names, qkv_loader
-h.install()
-print(json.dumps({"status": h.status(), "first": first, "second": second,
-                  "patched": _base.is_patched(qkv_loader, m)}))
-"""
+    return run_reporting(program, env=full_env, timeout=300)
 
 
 #: ``auto`` decides per release, so its fresh interpreter runs everywhere; ``force`` and ``off`` do not depend on the
@@ -52,7 +37,7 @@ FRESH_MODES = ["auto", *(pytest.param(m, marks=pytest.mark.placed(*FULL_ENVS)) f
 
 @pytest.mark.parametrize("mode", FRESH_MODES)
 def test_hook_applies_decision_when_vllm_imports_the_module(expected, release, mode):
-    out, log = fresh_python(INSTALL_THEN_IMPORT, VLLM_MINICPM_HOTFIX=mode)
+    out, log = fresh_python("install_twice_then_import", VLLM_MINICPM_HOTFIX=mode)
     st = out["status"]
     want_applied = mode == "force" or (mode == "auto" and expected[0] == "broken")
     assert (out["first"], out["second"]) == (True, False)
@@ -71,11 +56,10 @@ def test_hook_applies_decision_when_vllm_imports_the_module(expected, release, m
     assert ("qkv_loader" in lines[0]["applied"]) is want_applied
 
 
-def test_install_after_module_import_patches_at_once(m46, expected):
+def test_install_after_module_import_patches_at_once(m46, expected, hotfix_mode):
     """wrapt calls the hook immediately when the module is already imported (it is, in this process)."""
     try:
-        os.environ["VLLM_MINICPM_HOTFIX"] = "force"
-        record._STATUS = None
+        hotfix_mode("force")
         hook._installed = False
         assert hook.install() is True
         assert _base.is_patched(qkv_loader, m46)
@@ -83,8 +67,6 @@ def test_install_after_module_import_patches_at_once(m46, expected):
         assert hook.install() is False
     finally:
         _base.revert(m46)
-        os.environ.pop("VLLM_MINICPM_HOTFIX")
-        record._STATUS = None
 
 
 def test_applying_twice_patches_once(m46):
@@ -123,7 +105,7 @@ def captured():
         record.logger.setLevel(level)
 
 
-def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatch, captured):
+def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatch, captured, hotfix_mode):
     """The patch fails half-way (after the self-attention's load_weights is set): nothing escapes, and both classes
     are restored to exactly what vLLM defined."""
     attn, model = getattr(m46, ATTN), getattr(m46, MODEL)
@@ -133,8 +115,7 @@ def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatc
         raise RuntimeError("synthetic failure")
 
     monkeypatch.setattr(qkv_loader, "wrap_model_load_weights", boom)
-    monkeypatch.setenv("VLLM_MINICPM_HOTFIX", "force")
-    record._STATUS = None
+    hotfix_mode("force")
     try:
         hook.on_import(m46)  # must not raise
         from vllm_minicpm_hotfix.fixes import REGISTRY
@@ -148,7 +129,6 @@ def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatc
         assert any(r.levelno == logging.WARNING and "hook failed" in r.getMessage() for r in captured)
     finally:
         _base.revert(m46)  # the other fix (processor) ran normally under force
-        record._STATUS = None
 
 
 def _about_subclass(rec: logging.LogRecord) -> bool:
@@ -156,7 +136,7 @@ def _about_subclass(rec: logging.LogRecord) -> bool:
     return "is no member of the family" in rec.getMessage()
 
 
-def test_unrecognised_layout_is_left_alone_and_named_in_the_summary(m46, monkeypatch, captured):
+def test_unrecognised_layout_is_left_alone_and_named_in_the_summary(m46, captured, hotfix_mode):
     """A vLLM whose model module lacks the self-attention class (a layout this fix does not know): nothing touched,
     even with force; its reason at INFO, and the process's summary line names it under "could not tell"."""
     fake = types.ModuleType("vllm.model_executor.models.minicpmv4_6")
@@ -164,25 +144,22 @@ def test_unrecognised_layout_is_left_alone_and_named_in_the_summary(m46, monkeyp
     before = dict(getattr(m46, MODEL).__dict__)
     for mode in ("auto", "force"):
         captured.clear()
-        monkeypatch.setenv("VLLM_MINICPM_HOTFIX", mode)
-        record._STATUS = None
+        hotfix_mode(mode)
         fix = _base.run(qkv_loader, fake)
         assert not fix.applied and fix.verdict == "unrecognised"
         assert [r.levelno for r in captured if not _about_subclass(r)] == [logging.INFO]
         assert "qkv_loader" in captured[0].getMessage() and "layout not recognised" in captured[0].getMessage()
         assert "; could not tell: qkv_loader;" in record.summary_line(record.current(), names())
         assert dict(getattr(m46, MODEL).__dict__) == before
-    record._STATUS = None
 
 
 @pytest.mark.parametrize("mode", ["auto", "force", "off"])
-def test_the_hook_logs_one_warning_line_per_process(m46, expected, monkeypatch, captured, mode):
+def test_the_hook_logs_one_warning_line_per_process(m46, expected, monkeypatch, captured, hotfix_mode, mode):
     """The real hook on the real model module: exactly one WARNING record (the summary: members, vLLM version, mode,
     pid, the NAMEs applied, the pointer to doctor; under 300 characters), one INFO record per fix with its reason,
     and running the hook again in the same process (a second copy of the package) logs no second summary."""
-    monkeypatch.setenv("VLLM_MINICPM_HOTFIX", mode)
+    hotfix_mode(mode)
     monkeypatch.delattr(record.logger, "_vllm_minicpm_hotfix_summary_pid", raising=False)
-    record._STATUS = None
     try:
         hook.on_import(m46)
         st = record.current()
@@ -206,7 +183,6 @@ def test_the_hook_logs_one_warning_line_per_process(m46, expected, monkeypatch, 
         assert not [r for r in captured if r.levelno >= logging.WARNING]
     finally:
         _base.revert(m46)
-        record._STATUS = None
 
 
 def test_summary_line_stays_short_for_any_set_of_fixes():
@@ -250,10 +226,7 @@ def test_decide_table():
 
 
 def test_status_is_json_serialisable_and_cheap_to_import():
-    out, _ = fresh_python(
-        "import vllm_minicpm_hotfix as h; st = h.status(); "
-        "print(json.dumps({'st': st, 'mods': sorted(m for m in ('wrapt', 'torch', 'vllm') if m in sys.modules)}))"
-    )
+    out, _ = fresh_python("status_only")
     assert out["mods"] == []
     assert out["st"]["hook_installed"] is False and out["st"]["fixes"] == {}
 

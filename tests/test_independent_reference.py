@@ -3,10 +3,10 @@
 README's claim "the model loads bit-exact" is checked here on the *whole* model -- every parameter and every buffer,
 names and values -- not only on the vit_merger tensors the hotfix touches: a loader that wrote a neighbouring
 parameter, left one unloaded (uninitialised memory), or loaded a tensor twice would show. The reference is not the
-hotfix's output: tests/reference_state_dict.py runs in a fresh interpreter of the vLLM 0.32.0 environment (a release
-whose own q/k/v loading is correct: tests/expected.py ``VERDICTS``) with ``VLLM_MINICPM_HOTFIX=off`` and without the
-package on its path (it refuses to run otherwise), builds the model with vLLM's own API and loads it with vLLM's
-``DefaultModelLoader.load_weights``; it is written once per test session to safetensors files.
+hotfix's output: tests/programs/reference_state_dict.py runs in a fresh interpreter of the vLLM 0.32.0 environment
+(a release whose own q/k/v loading is correct: tests/expected.py ``VERDICTS``) with ``VLLM_MINICPM_HOTFIX=off`` and
+without the package on its path (it refuses to run otherwise), builds the model with vLLM's own API and loads it with
+vLLM's ``DefaultModelLoader.load_weights``; it is written once per test session to safetensors files.
 
 This side does the same in this process: the model built on CPU, every fix of the registry applied as the
 post-import hook applies them under ``auto``, the same ``DefaultModelLoader.load_weights``. Checkpoints: the bundled (tied embeddings),
@@ -30,14 +30,14 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, hotfix
+from conftest import TINY, hotfix
 from safetensors.torch import load_file, save_file
+from support.programs import run_program
 from vllm_build import build_vllm_model, checkpoint_tensors
 
 #: Where the hotfix patches the q/k/v loading (elsewhere this would compare stock with stock: tests/test_vllm_load.py
@@ -45,7 +45,6 @@ from vllm_build import build_vllm_model, checkpoint_tensors
 pytestmark = pytest.mark.placed("0.26.0")
 
 REFERENCE_RELEASE = "0.32.0"
-REFERENCE_SCRIPT = REPO / "tests" / "reference_state_dict.py"
 P = "model.vision_tower.vit_merger.self_attn."
 
 #: Names present in one release's model and not in 0.32.0's (or the reverse), with the reason. Keyed by release;
@@ -110,10 +109,8 @@ def reference(checkpoints, tmp_path_factory) -> dict[tuple[str, str], tuple[dict
     result = {}
     for dtype in sorted({d for _, d in CASES}):
         labels = [label for label, d in CASES if d == dtype]
-        proc = subprocess.run(
-            [python, str(REFERENCE_SCRIPT), str(out / dtype), dtype, *(f"{lb}={checkpoints[lb]}" for lb in labels)],
-            env=env, cwd=out, capture_output=True, text=True, timeout=900, check=False,
-        )
+        proc = run_program("reference_state_dict", out / dtype, dtype, *(f"{lb}={checkpoints[lb]}" for lb in labels),
+                           python=python, env=env, cwd=out, timeout=900, check=False)
         if proc.returncode != 0:
             pytest.fail(f"the reference run (vLLM {REFERENCE_RELEASE}) failed:\n{proc.stdout[-3000:]}\n"
                         f"{proc.stderr[-5000:]}")

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from e2e import clean_env, overlay_env, run_python, run_uv, site_packages, source_copy
+from e2e import clean_env, overlay_env, run_uv, site_packages, source_copy
 from hotfix_log import patched_pids
-from test_activation import HEAVY, IMPORT_M46, import_m46, started
+from support.programs import run_reporting
+from test_activation import HEAVY, import_m46, started
 
 pytestmark = pytest.mark.placed("0.28.0")
 
@@ -29,40 +30,14 @@ PTH = "vllm-minicpm-hotfix.pth"
 #: PEP 829's entry point syntax, as ``pkgutil.resolve_name(name, strict=True)`` of Python 3.15 checks it.
 STRICT_ENTRY_POINT = re.compile(r"^(?!\d)\w+(\.(?!\d)\w+)*:(?!\d)\w+(\.(?!\d)\w+)*$")
 
-# Resolves the entry points of the installed .start file as Python 3.15's site does (pkgutil.resolve_name, then a
-# call without arguments), twice, then lets the .pth's line run too; reports the finders waiting for `import vllm`.
-RESOLVE_START = """
-import sys, json, pkgutil
-site_dir = sys.argv[1]
-if site_dir not in sys.path:
-    sys.path.append(site_dir)
-entries = [ln.strip() for ln in open(site_dir + "/vllm-minicpm-hotfix.start", encoding="utf-8")
-           if ln.strip() and not ln.lstrip().startswith("#")]
-def waiting():
-    return [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]
-before = waiting()
-results = []
-for ep in entries:
-    fn = pkgutil.resolve_name(ep)
-    results.append([ep, callable(fn), repr(fn()), repr(fn())])
-after_start = waiting()
-import _vllm_minicpm_hotfix_arm as m  # the .pth's line: the module is imported already, so nothing happens
-pth_line = m.activate("pth")  # and arming explicitly again arms nothing twice
-print(json.dumps({"entries": entries, "results": results, "before": before, "after_start": after_start,
-                  "pth_line": pth_line, "after_pth": waiting(), "modules": sorted(sys.modules)}))
-"""
-
-
 def test_start_entry_point_resolves_and_arms_once(pip_env, tmp_path):
     """The installed ``.start`` file's entry point resolves with ``pkgutil.resolve_name`` (which imports the
     module) and arms the waiting finder in a fresh interpreter (``-S``: no ``.pth`` ran before it), labelled "start",
     idempotently with itself and the ``.pth``; in a normal start-up (the ``.pth`` armed it) it arms nothing twice;
     ``VLLM_MINICPM_HOTFIX=off``: nothing."""
-    site = str(site_packages(pip_env))
-    code = ["-S", "-c", RESOLVE_START, site]
-    proc = subprocess.run([str(pip_env), *code], env=clean_env(), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60, check=True)
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    site = site_packages(pip_env)
+    out, _ = run_reporting("resolve_start", site, python=pip_env, flags=("-S",), env=clean_env(), cwd=tmp_path,
+                           timeout=60)
     assert out["entries"] == ["_vllm_minicpm_hotfix_arm:start"]
     assert all(STRICT_ENTRY_POINT.match(e) for e in out["entries"])
     assert out["results"] == [["_vllm_minicpm_hotfix_arm:start", True, "None", "None"]]
@@ -71,13 +46,13 @@ def test_start_entry_point_resolves_and_arms_once(pip_env, tmp_path):
     assert not [m for m in out["modules"] if m.split(".")[0] in HEAVY + ("vllm_minicpm_hotfix",)]
 
     # Normal start-up of this Python (< 3.15: site runs the .pth, ignores the .start): armed once, by the .pth.
-    normal, _ = run_python(pip_env, RESOLVE_START.replace("sys.argv[1]", repr(site)), env=clean_env(), cwd=tmp_path)
+    normal, _ = run_reporting("resolve_start", site, python=pip_env, env=clean_env(), cwd=tmp_path)
     assert normal["before"] == ["start" if sys.version_info >= (3, 15) else "pth"]
     assert len(normal["after_start"]) == len(normal["after_pth"]) == 1  # (site never calls start() before 3.15)
 
-    off = subprocess.run([str(pip_env), *code], env=clean_env(VLLM_MINICPM_HOTFIX="off"), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60, check=True)
-    assert json.loads(off.stdout.strip().splitlines()[-1])["after_pth"] == []
+    off, _ = run_reporting("resolve_start", site, python=pip_env, flags=("-S",),
+                           env=clean_env(VLLM_MINICPM_HOTFIX="off"), cwd=tmp_path, timeout=60)
+    assert off["after_pth"] == []
 
 
 def test_pip_editable_install_activates(tmp_path, expected):
@@ -113,8 +88,7 @@ def test_target_dir_on_pythonpath_doctor_explains(wheel, tmp_path, expected):
     assert armed["waiting"] == []  # the .pth did not run
 
     # Without vLLM's plugin loading (a script importing the model module directly): not patched.
-    code = IMPORT_M46.replace("load_general_plugins()\n", "pass\n", 1)
-    direct, _ = run_python(sys.executable, code, env=clean_env(PYTHONPATH=str(target)), cwd=tmp_path, timeout=300)
+    direct, _ = import_m46(sys.executable, "--no-plugins", pythonpath=str(target), cwd=tmp_path)
     assert direct["activations"] == [] and direct["qkv_patched"] is False
 
     proc = subprocess.run([sys.executable, "-m", "vllm_minicpm_hotfix", "doctor", "--json"], cwd=tmp_path,

@@ -23,29 +23,13 @@ from pathlib import Path
 
 import pytest
 from conftest import observed
-from e2e import clean_env, run_python, run_uv
+from e2e import clean_env, run_uv, site_packages
+from support.programs import reported, run_program, run_reporting
 
 ENV_VAR = "VLLM_MINICPM_HOTFIX_PEP829_PYTHON"
 pytestmark = pytest.mark.placed("0.28.0")
 START = "vllm-minicpm-hotfix.start"
 PTH = "vllm-minicpm-hotfix.pth"
-
-STARTED = """
-import sys, json
-w = [f for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]
-print(json.dumps({"version": list(sys.version_info[:3]), "waiting": [f.source for f in w],
-                  "heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("wrapt", "vllm", "vllm_minicpm_hotfix"))}))
-"""
-
-IMPORT_STANDIN = """
-import sys, json
-import vllm
-from vllm_minicpm_hotfix import _bootstrap, hook
-print(json.dumps({"vllm": vllm.__file__, "activations": _bootstrap.activations, "hook_installed": hook._installed,
-                  "wrapt": sys.modules["wrapt"].__file__,
-                  "waiting": [f for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)] != []}))
-"""
-
 
 @pytest.fixture(scope="module")
 def pep829_python() -> Path:
@@ -73,18 +57,11 @@ def venv315(pep829_python, wheel, tmp_path_factory) -> Path:
     return python
 
 
-def site_dir(python: Path) -> Path:
-    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, timeout=60, check=True)
-    return Path(out.stdout.strip())
-
-
 def test_pip_install_activates_through_the_start_file(venv315, tmp_path):
-    site = site_dir(venv315)
+    site = site_packages(venv315)
     assert (site / PTH).is_file() and (site / START).is_file()
-    proc = subprocess.run([str(venv315), "-v", "-c", STARTED], env=clean_env(), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60, check=True)
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = run_program("pep829_started", python=venv315, flags=("-v",), env=clean_env(), cwd=tmp_path, timeout=60)
+    out, _ = reported(proc)
     assert tuple(out["version"]) >= (3, 15), out["version"]
     assert out["waiting"] == ["start"], (
         f"not armed by the .start entry point ({out['waiting']}): does this Python implement PEP 829?")
@@ -98,11 +75,11 @@ def test_pip_install_activates_through_the_start_file(venv315, tmp_path):
 def test_without_the_start_file_the_pth_line_runs(venv315, tmp_path):
     """Take the ``.start`` away: 3.15-3.17 still run the ``.pth``'s import line (PEP 829's deprecation period;
     3.18 ignores it), so the ``.start`` file is what switched it off above."""
-    site = site_dir(venv315)
+    site = site_packages(venv315)
     saved = tmp_path / START
     shutil.move(site / START, saved)
     try:
-        out, _ = run_python(venv315, STARTED, env=clean_env(), cwd=tmp_path)
+        out, _ = run_reporting("pep829_started", python=venv315, env=clean_env(), cwd=tmp_path)
     finally:
         shutil.move(saved, site / START)
     assert out["waiting"] == (["pth"] if tuple(out["version"][:2]) < (3, 18) else [])
@@ -112,10 +89,10 @@ def test_start_armed_finder_installs_the_hook_on_import_vllm(venv315, tmp_path):
     standin = tmp_path / "standin"
     (standin / "vllm").mkdir(parents=True)
     (standin / "vllm" / "__init__.py").write_text("__version__ = '0+standin'\n")
-    out, log = run_python(venv315, IMPORT_STANDIN, env=clean_env(PYTHONPATH=str(standin)), cwd=tmp_path)
+    out, log = run_reporting("import_standin", python=venv315, env=clean_env(PYTHONPATH=str(standin)), cwd=tmp_path)
     assert Path(out["vllm"]).parent == standin / "vllm"
     assert out["activations"] == ["start"] and out["hook_installed"] is True and out["waiting"] is False
-    assert Path(out["wrapt"]).is_relative_to(site_dir(venv315)), log[-2000:]
+    assert Path(out["wrapt"]).is_relative_to(site_packages(venv315)), log[-2000:]
 
 
 def test_doctor_names_the_start_file(venv315, tmp_path):
@@ -123,7 +100,7 @@ def test_doctor_names_the_start_file(venv315, tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     report = json.loads(proc.stdout)
     pth = report["activation"]["pth"]
-    assert pth["runs"] == "start" and pth["start_files"] == [str(site_dir(venv315) / START)]
+    assert pth["runs"] == "start" and pth["start_files"] == [str(site_packages(venv315) / START)]
     row = next(r for r in report["checks"] if r["check"] == ".pth")
     assert row["status"] == "OK" and "PEP 829" in row["detail"] and START in row["detail"]
     # No vLLM for this Python: doctor says so (exit 1), after the start-up facts above.

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import inspect
 import json
-import os
 import shutil
 import threading
 import types
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.environment import hotfix_mode_set
 
 import vllm_minicpm_hotfix
 from vllm_minicpm_hotfix import decision, hook, record
@@ -92,28 +92,9 @@ def image(width: int, height: int):
 
 
 @contextlib.contextmanager
-def env_mode(mode: str | None):
-    """A fresh status record under ``VLLM_MINICPM_HOTFIX=mode`` (unset if None); restored on exit."""
-    old = os.environ.get(decision.ENV_VAR)
-    if mode is None:
-        os.environ.pop(decision.ENV_VAR, None)
-    else:
-        os.environ[decision.ENV_VAR] = mode
-    record._STATUS = None
-    try:
-        yield
-    finally:
-        record._STATUS = None
-        if old is None:
-            os.environ.pop(decision.ENV_VAR, None)
-        else:
-            os.environ[decision.ENV_VAR] = old
-
-
-@contextlib.contextmanager
 def processor_hotfix(m46, mode: str = "auto"):
     """Apply the processor fix as the post-import hook would under ``mode``; revert on exit."""
-    with env_mode(mode):
+    with hotfix_mode_set(mode):
         try:
             yield _base.run(processor_fix, m46)
         finally:
@@ -282,7 +263,7 @@ def vmodel(m46_mod, tiny_dir):
     from vllm_build import build_vllm_model, load_checkpoint
 
     model = build_vllm_model(tiny_dir, load=False)
-    with env_mode("auto"):
+    with hotfix_mode_set("auto"):
         try:
             _base.run(qkv_loader, m46_mod)
             load_checkpoint(model, tiny_dir)
@@ -407,7 +388,7 @@ def test_transactional(m46_mod, installed, monkeypatch):
         raise RuntimeError("injected failure after setting")
 
     monkeypatch.setattr(_base, "_set", set_then_fail)
-    with env_mode("force"):
+    with hotfix_mode_set("force"):
         if installed["tf_takes_mode"]:
             with pytest.raises(RuntimeError, match="injected"):
                 _base.run(processor_fix, m46_mod)
@@ -432,7 +413,7 @@ def hook_cleanup(m46_mod):
 
 def test_hook_applies_both(m46_mod, installed, hook_cleanup):
     qkv_verdict = qkv_loader.probe(m46_mod)
-    with env_mode("auto"):
+    with hotfix_mode_set("auto"):
         hook.on_import(m46_mod)
         fixes = record.current().fixes
         assert set(fixes) >= {qkv_loader.NAME, processor_fix.NAME}
@@ -449,7 +430,7 @@ def test_hook_processor_failure_isolated(m46_mod, installed, hook_cleanup, monke
 
     monkeypatch.setattr(processor_fix, "probe", boom)
     qkv_verdict = qkv_loader.probe(m46_mod)
-    with env_mode("auto"):
+    with hotfix_mode_set("auto"):
         hook.on_import(m46_mod)  # must not raise
         fixes = record.current().fixes
         err = fixes[processor_fix.NAME]
@@ -464,7 +445,7 @@ def test_hook_qkv_failure_isolated(m46_mod, installed, hook_cleanup, monkeypatch
         raise RuntimeError("qkv fix exploded")
 
     monkeypatch.setattr(qkv_loader, "probe", boom)
-    with env_mode("auto"):
+    with hotfix_mode_set("auto"):
         hook.on_import(m46_mod)  # must not raise
         fixes = record.current().fixes
         assert fixes[qkv_loader.NAME].verdict == "error" and "qkv fix exploded" in fixes[qkv_loader.NAME].error

@@ -1,7 +1,7 @@
 """Issue 11, prompt side, through a real engine: ``LLM.generate``'s ``RequestOutput.prompt_token_ids`` for MiniCPM-V
 4.6 images and videos equal transformers' ``MiniCPMV4_6Processor`` input ids, and every request is answered.
 
-One engine per release (tests/prompt_engine_run.py in a fresh interpreter, hotfix installed as the package's
+One engine per release (tests/programs/prompt_engine_run.py in a fresh interpreter, hotfix installed as the package's
 post-import hook, ``auto``), with the real processor geometry (patch 14, ``scale_resolution`` 448), for the sizes and
 kwargs that show each family's defects (:data:`REQUESTS`). Stock vLLM is shown failing these same items by
 tests/test_prompt_conformance.py (its processor, no engine): the pad counts that differ there are what kills the
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, vllm_release
+from support.programs import run_program
 import expected as table
 from test_prompt_conformance import MINE, PROMPT, V47_ENVS, image, real_geometry_copy, video, write_v47
 from vllm_minicpm_hotfix.fixes import REGISTRY
@@ -67,7 +66,7 @@ def v47(tmp_path_factory) -> Path:
 
 
 def run_engine(checkpoint: Path, tmp_path_factory, names, **extra) -> dict:
-    """One engine in a fresh interpreter (tests/prompt_engine_run.py) serving the requests ``names`` of
+    """One engine in a fresh interpreter (tests/programs/prompt_engine_run.py) serving the requests ``names`` of
     :data:`REQUESTS`; ``extra``: ``revert`` / ``limits`` of its spec."""
     spec = tmp_path_factory.mktemp("engine-spec") / "spec.json"
     spec.write_text(json.dumps({
@@ -83,10 +82,7 @@ def run_engine(checkpoint: Path, tmp_path_factory, names, **extra) -> dict:
     # runs the post-import hook too.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "prompt_engine_run.py"), str(spec)],
-        capture_output=True, text=True, timeout=900, env=env, start_new_session=True,
-    )
+    proc = run_program("prompt_engine_run", spec, env=env, timeout=900, check=False, new_session=True)
     wall = time.perf_counter() - start
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY, observed
-from e2e import clean_env, make_bundle, overlay_env, pip_install, run_python
+from e2e import clean_env, make_bundle, overlay_env, pip_install
 from hotfix_log import patched_pids
+from support.programs import run_reporting
 
 from vllm_minicpm_hotfix import _bootstrap
 
@@ -34,42 +35,6 @@ pytestmark = pytest.mark.placed("0.28.0")
 VERSIONS = ("3.12", "3.13")
 #: Who makes the bundle each Python loads: never itself ("suite": this suite's own interpreter, 3.11).
 BUNDLE_MADE_BY = {"3.12": "3.13", "3.13": "suite"}
-
-# Runs in the other Python: import vLLM's model module (the route armed at start-up applies the fix), load the tiny
-# checkpoint through vLLM's load_weights, compare with the checkpoint's tensors, then revert and load stock.
-LOAD = r"""
-import json, os, sys
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-import torch
-import vllm.model_executor.models.minicpmv4_6 as m
-import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix import _bootstrap
-from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint
-from vllm_minicpm_hotfix.fixes._base import revert
-ckpt = sys.argv[1]
-P = "model.vision_tower.vit_merger.self_attn."
-t = checkpoint_tensors(ckpt)
-model = build_vllm_model(ckpt, load=False)
-loaded = sorted(load_checkpoint(model, ckpt))
-attn = model.vit_merger.self_attn
-exact = {s: bool(torch.equal(getattr(attn.qkv_proj, s).detach(),
-                             torch.cat([t[f"{P}{p}_proj.{s}"] for p in "qkv"]).to(attn.qkv_proj.weight.dtype)))
-         for s in ("weight", "bias")}
-distinct = not torch.equal(t[P + "q_proj.weight"], t[P + "k_proj.weight"])
-reverted = revert(m)
-try:
-    stock = build_vllm_model(ckpt, load=False)
-    load_checkpoint(stock, ckpt)
-    stock_error = None
-except Exception as exc:
-    stock_error = f"{type(exc).__name__}: {exc}"
-w = sys.modules.get("wrapt")
-print(json.dumps({"python": sys.version.split()[0], "pid": os.getpid(), "activations": _bootstrap.activations,
-                  "package": h.__file__, "wrapt": getattr(w, "__file__", None), "exact": exact,
-                  "distinct": distinct, "qkv_loaded": [n for n in loaded if "vit_merger.self_attn.qkv_proj" in n],
-                  "reverted": reverted, "stock_error": stock_error}))
-"""
-
 
 @pytest.fixture(scope="module")
 def broken_release(release, expected) -> str:
@@ -113,8 +78,7 @@ def test_route_loads_exactly_on(version, route, pythons, bundles, wheel, broken_
         home = bundles[BUNDLE_MADE_BY[version]]
         env = clean_env(PYTHONPATH=str(home))
         expect_source = "sitecustomize"
-    out, log = run_python(env_python, LOAD.replace("sys.argv[1]", repr(str(TINY))), env=env, cwd=tmp_path,
-                          timeout=600)
+    out, log = run_reporting("load_on_python", TINY, python=env_python, env=env, cwd=tmp_path, timeout=600)
     assert out["python"].startswith(version + "."), out["python"]
     assert out["activations"][0] == expect_source, out["activations"]
     if route == "pip":
@@ -133,15 +97,6 @@ def test_route_loads_exactly_on(version, route, pythons, bundles, wheel, broken_
     observed("pythons", out["python"], **{route: "loads, exact"})
 
 
-STALE = """
-import sys, json
-import _vllm_minicpm_hotfix_arm as arm
-print(json.dumps({"stale_marker": getattr(arm, "STALE_MARKER", None), "file": arm.__file__,
-                  "cached": getattr(arm.__spec__, "cached", None),
-                  "waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]}))
-"""
-
-
 def test_bundle_bytecode_is_per_python_and_never_stale(pythons, bundles, tmp_path):
     """A bundle holds hash-checked bytecode for the Python that made it only (``__pycache__/*.cpython-3XY.pyc``):
     another Python compiles the sources itself and arms; the maker's own bytecode is not used once a source changed."""
@@ -149,14 +104,14 @@ def test_bundle_bytecode_is_per_python_and_never_stale(pythons, bundles, tmp_pat
     tags = {p.name.split(".")[1] for p in (made / "__pycache__").glob("*.pyc")}
     assert tags == {"cpython-313"}, tags
     for v in ("suite", "3.12"):
-        out, _ = run_python(pythons[v], STALE, env=clean_env(PYTHONPATH=str(made), PYTHONDONTWRITEBYTECODE="1"),
-                            cwd=tmp_path)
+        out, _ = run_reporting("arm_module", python=pythons[v],
+                               env=clean_env(PYTHONPATH=str(made), PYTHONDONTWRITEBYTECODE="1"), cwd=tmp_path)
         assert out["waiting"] == ["sitecustomize"], (v, out)
     # A changed source with the maker's (now stale) hash-checked .pyc next to it: the source wins.
     copy = tmp_path / "edited"
     shutil.copytree(made, copy)
     arm = copy / "_vllm_minicpm_hotfix_arm.py"
     arm.write_text(arm.read_text() + "\nSTALE_MARKER = 'source read'\n")
-    out, _ = run_python(pythons["3.13"], STALE, env=clean_env(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1"),
-                        cwd=tmp_path)
+    out, _ = run_reporting("arm_module", python=pythons["3.13"],
+                           env=clean_env(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1"), cwd=tmp_path)
     assert out["stale_marker"] == "source read" and out["waiting"] == ["sitecustomize"]

@@ -12,6 +12,7 @@ held before (uninitialised memory in a real start-up; -7 here).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -21,9 +22,15 @@ import pytest
 import torch
 from conftest import TINY, hotfix
 from safetensors.torch import save_file
-from vllm_build import build_vllm_model, checkpoint_tensors, ensure_distributed, make_vllm_config
+from vllm_build import build_vllm_model, checkpoint_tensors
 
-from test_reliability import fused_only, without  # the bad checkpoints' builders, shared
+from test_reliability import (  # the bad checkpoints' builders and vLLM's two ways of loading them, shared
+    fused_only,
+    load_like_vllm,
+    start_up,
+    without,
+    write_checkpoint,
+)
 
 from vllm_minicpm_hotfix.fixes import qkv_guard
 from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError
@@ -64,49 +71,7 @@ def base() -> dict[str, torch.Tensor]:
 def ckpt(tmp_path_factory, base):
     """``ckpt(name)`` -> a folder with the tiny model's config.json and checkpoint ``name`` (written once)."""
     root = tmp_path_factory.mktemp("guard-checkpoints")
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            d = root / name
-            d.mkdir()
-            shutil.copy(TINY / "config.json", d / "config.json")
-            save_file({k: v.contiguous() for k, v in CHECKPOINTS[name](base).items()}, str(d / "model.safetensors"))
-            made[name] = d
-        return made[name]
-
-    return get
-
-
-def start_up(path: Path):
-    """What a vLLM worker does at start-up: ``get_model_loader(load_config).load_model(...)``."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import initialize_model_parallel, model_parallel_is_initialized
-    from vllm.model_executor.model_loader import get_model_loader
-
-    ensure_distributed()
-    vc = make_vllm_config(path)
-    with set_current_vllm_config(vc):
-        if not model_parallel_is_initialized():
-            initialize_model_parallel(1, 1)
-        return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=vc.model_config)
-
-
-def load_like_vllm(path: Path):
-    """The model built, its ``qkv_proj`` set to -7 (a known "before"), then vLLM's ``DefaultModelLoader.load_weights``
-    (no post-processing, so the parameters can be compared). Returns the model."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model_loader
-
-    model = build_vllm_model(path, load=False)
-    qkv = model.vit_merger.self_attn.qkv_proj
-    with torch.no_grad():
-        qkv.weight.fill_(-7.0)
-        qkv.bias.fill_(-7.0)
-    vc = model.vllm_config
-    with set_current_vllm_config(vc):
-        get_model_loader(vc.load_config).load_weights(model, vc.model_config)
-    return model
+    return functools.cache(lambda name: write_checkpoint(root / name, CHECKPOINTS[name](base)))
 
 
 def start_up_fails(path: Path, error: type[BaseException]) -> str:

@@ -4,13 +4,12 @@ the one tests/expected.py pins for this environment, and the post-import hook ru
 from __future__ import annotations
 
 import json
-import os
 
 import expected as table
 import pytest
 
 import vllm_minicpm_hotfix
-from vllm_minicpm_hotfix import decision, hook, record
+from vllm_minicpm_hotfix import decision, hook
 from vllm_minicpm_hotfix.fixes import REGISTRY, _base, _deferred, by_name, names
 
 
@@ -40,14 +39,12 @@ def test_stock_verdict_is_pinned(m46, environment, name):
 
 
 @pytest.mark.parametrize("name", names())
-def test_probe_after_apply_says_correct(m46, environment, name, monkeypatch):
+def test_probe_after_apply_says_correct(m46, environment, name, monkeypatch, hotfix_mode):
     """Where a fix applies (force), its own probe re-run on the patched classes answers ``correct``: what doctor uses
     to verify the patched code in a fresh vLLM process (a fix probed at first use is probed at import here)."""
     fix = by_name(name)
     monkeypatch.setattr(_deferred, "EAGER", True)
-    old = os.environ.get(decision.ENV_VAR)
-    os.environ[decision.ENV_VAR] = "force"
-    record._STATUS = None
+    hotfix_mode("force")
     try:
         entry = _base.run(fix, m46)
         if entry.applied:
@@ -58,19 +55,13 @@ def test_probe_after_apply_says_correct(m46, environment, name, monkeypatch):
             assert not _base.is_patched(fix, m46)
     finally:
         _base.revert(m46)
-        record._STATUS = None
-        if old is None:
-            os.environ.pop(decision.ENV_VAR, None)
-        else:
-            os.environ[decision.ENV_VAR] = old
 
 
-def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment, monkeypatch):
+def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment, monkeypatch, hotfix_mode):
     """Every fix probed at import (``VLLM_MINICPM_HOTFIX_PROBES=eager``: the ones probed at first use too) records
     the pinned verdict."""
     monkeypatch.setenv(_deferred.ENV_VAR, "eager")
-    old = os.environ.pop(decision.ENV_VAR, None)
-    record._STATUS = None
+    hotfix_mode(None)
     try:
         hook.on_import(m46)
         st = vllm_minicpm_hotfix.status()
@@ -91,16 +82,12 @@ def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment, mon
                 assert after.state is decision.State.CORRECT, (name, after)
     finally:
         _base.revert(m46)
-        record._STATUS = None
-        if old is not None:
-            os.environ[decision.ENV_VAR] = old
 
 
-def test_hook_defers_the_probes_of_unused_paths(m46, environment):
+def test_hook_defers_the_probes_of_unused_paths(m46, environment, hotfix_mode):
     """By default the fixes with ``DEFER_AT`` are recorded "probed at first use" (verdict ``deferred``, not applied,
     their trigger in place) and every other fix as pinned; resolving the deferred ones gives the pinned verdict too."""
-    old = os.environ.pop(decision.ENV_VAR, None)
-    record._STATUS = None
+    hotfix_mode(None)
     try:
         hook.on_import(m46)
         st = vllm_minicpm_hotfix.status()
@@ -120,6 +107,3 @@ def test_hook_defers_the_probes_of_unused_paths(m46, environment):
             assert (entry["verdict"], entry["applied"], entry["first_use"]) == (want, want == "broken", True), entry
     finally:
         _base.revert(m46)
-        record._STATUS = None
-        if old is not None:
-            os.environ[decision.ENV_VAR] = old

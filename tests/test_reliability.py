@@ -22,6 +22,7 @@ Three parts, all on the real vLLM of this environment (CPU):
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -31,10 +32,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FULL_ENVS, REPO, TINY, hotfix
-from e2e import clean_env, overlay_env, pip_install, run_python, site_packages
+from conftest import FULL_ENVS, TINY, hotfix
+from e2e import clean_env, overlay_env, pip_install, site_packages
 from hotfix_log import patched_pids, summaries
 from safetensors.torch import save_file
+from support.programs import PROGRAMS, run_reporting
 from vllm_build import build_vllm_model, checkpoint_tensors, ensure_distributed, iter_checkpoint, make_vllm_config
 
 from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError
@@ -47,7 +49,6 @@ pytestmark = pytest.mark.placed(*FULL_ENVS)
 ONE_RELEASE = pytest.mark.placed("0.26.0")
 
 P = "model.vision_tower.vit_merger.self_attn."
-M46 = "vllm.model_executor.models.minicpmv4_6"
 ATTN = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
 MODEL = "MiniCPMV4_6ForConditionalGeneration"
 QKV = ("q", "k", "v")
@@ -150,21 +151,19 @@ CHECKPOINTS = {
 def bad(tmp_path_factory, base):
     """``bad(name)`` -> the folder of checkpoint ``name`` (written once per module)."""
     root = tmp_path_factory.mktemp("bad-checkpoints")
-    made: dict[str, Path] = {}
 
+    @functools.cache
     def get(name: str) -> Path:
-        if name not in made:
-            spec = CHECKPOINTS[name](base)
-            if "files" in spec:
-                d = write_checkpoint(root / name, files=spec["files"])
-            else:
-                d = write_checkpoint(root / name, spec)
-            if "truncate" in spec:
-                f = d / spec["truncate"]
-                data = f.read_bytes()
-                f.write_bytes(data[: len(data) // 2])
-            made[name] = d
-        return made[name]
+        spec = CHECKPOINTS[name](base)
+        if "files" in spec:
+            d = write_checkpoint(root / name, files=spec["files"])
+        else:
+            d = write_checkpoint(root / name, spec)
+        if "truncate" in spec:
+            f = d / spec["truncate"]
+            data = f.read_bytes()
+            f.write_bytes(data[: len(data) // 2])
+        return d
 
     return get
 
@@ -533,34 +532,11 @@ def test_load_model_hands_out_nothing_on_failure(m46, bad, monkeypatch):
 # ====================================================================================================================
 
 
-def fresh(code: str, tmp_path: Path, *, python: str | Path = sys.executable, pythonpath: str = "",
-          args: tuple[str, ...] = (), **env: str) -> tuple[dict, str]:
-    """Run ``code`` in a new interpreter with this repository first on ``sys.path`` (nothing activated, cwd a temp
-    folder); returns the JSON object it prints last and everything it wrote."""
-    prog = f"import sys, json; sys.path.insert(0, {str(REPO)!r})\n{code}"
-    proc = subprocess.run(
-        [str(python), *args, "-c", prog], env=clean_env(PYTHONPATH=pythonpath, **env), cwd=tmp_path,
-        capture_output=True, text=True, timeout=300, check=False,
-    )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), log
-
-
-HOOK_RAISES = f"""
-from vllm_minicpm_hotfix.fixes import _base, qkv_loader
-def boom(module):
-    raise RuntimeError("synthetic failure inside _apply_qkv_fix")
-qkv_loader.apply = boom
-import vllm_minicpm_hotfix as h
-h.install()
-import {M46} as m
-attn, model = m.{ATTN}, m.{MODEL}
-print(json.dumps({{"status": h.status(), "attn_patched": (_base.patched_by(attn, "load_weights") is not None),
-                  "model_patched_by": _base.patched_by(model, "load_weights"),
-                  "model_load_weights": model.__dict__["load_weights"].__qualname__,
-                  "wrapped": hasattr(model.__dict__["load_weights"], "__wrapped__")}}))
-"""
+def fresh(program: str, tmp_path: Path, *, pythonpath: str = "", **env: str) -> tuple[dict, str]:
+    """Run ``tests/programs/<program>.py`` in a new interpreter of this environment (the program puts this repository
+    first on ``sys.path``; nothing activated, cwd a temp folder); returns the JSON object it prints last and
+    everything it wrote."""
+    return run_reporting(program, env=clean_env(PYTHONPATH=pythonpath, **env), cwd=tmp_path, timeout=300)
 
 
 @ONE_RELEASE
@@ -569,7 +545,7 @@ def test_hook_raising_leaves_vllm_importable_and_unpatched(tmp_path):
     of the failed fix is patched, one warning names the failure, ``status()`` records it. The other fixes run on
     their own: where the completeness guard applies (vLLM's own q/k/v loading correct), the model's ``load_weights``
     is the guard's wrapper around vLLM's, not the loader's."""
-    out, log = fresh(HOOK_RAISES, tmp_path, VLLM_MINICPM_HOTFIX="force")
+    out, log = fresh("hook_raises", tmp_path, VLLM_MINICPM_HOTFIX="force")
     fix = out["status"]["fixes"]["qkv_loader"]
     assert fix["verdict"] == "error" and fix["applied"] is False
     assert fix["error"] == "RuntimeError: synthetic failure inside _apply_qkv_fix"
@@ -584,34 +560,12 @@ def test_hook_raising_leaves_vllm_importable_and_unpatched(tmp_path):
     assert not patched_pids(log, "qkv_loader")
 
 
-IMPORT_FIRST_THEN_RELOAD = f"""
-import importlib
-import {M46} as m
-old = m.{ATTN}
-import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix.fixes import _base, qkv_loader
-installed = h.install()
-at_once = (_base.patched_by(m.{ATTN}, "load_weights") is not None) and (_base.patched_by(m.{MODEL}, "load_weights") is not None)
-m2 = importlib.reload(m)
-new = m2.{ATTN}
-again = h.install()
-# what vLLM's model registry resolves the architecture to after the reload (it imports the module by name)
-from vllm.model_executor.models.registry import ModelRegistry
-resolved = ModelRegistry._try_load_model_cls("{MODEL}")
-print(json.dumps({{"installed": installed, "at_once": at_once, "same_module": m2 is m, "new_class": new is not old,
-                  "old_still_patched": (_base.patched_by(old, "load_weights") is not None), "new_patched": (_base.patched_by(new, "load_weights") is not None),
-                  "new_model_patched": (_base.patched_by(m2.{MODEL}, "load_weights") is not None), "install_again": again,
-                  "registry_class_patched": (_base.patched_by(resolved, "load_weights") is not None) if resolved is not None else None,
-                  "status_applied": h.status()["fixes"]["qkv_loader"]["applied"]}}))
-"""
-
-
 @ONE_RELEASE
 def test_module_imported_before_install_then_reloaded(tmp_path):
     """``install()`` after vLLM imported the module patches at once. ``importlib.reload`` then re-executes the
     module: new, unpatched classes, and wrapt does not fire the hook again (it drops a hook once it has fired) --
     while ``status()`` still says applied. Reported as a gap in hook.py (see docs/what-can-go-wrong.md)."""
-    out, log = fresh(IMPORT_FIRST_THEN_RELOAD, tmp_path, VLLM_MINICPM_HOTFIX="force")
+    out, log = fresh("import_then_reload", tmp_path, VLLM_MINICPM_HOTFIX="force")
     assert out["installed"] is True and out["at_once"] is True
     assert out["same_module"] and out["new_class"]
     assert out["old_still_patched"] is True
@@ -623,43 +577,9 @@ def test_module_imported_before_install_then_reloaded(tmp_path):
     assert len(patched_pids(log, "qkv_loader")) == 1
 
 
-THREADS = f"""
-import threading, importlib
-from vllm_minicpm_hotfix import hook
-from vllm_minicpm_hotfix.fixes import _base, qkv_loader
-calls, applied = [], []
-real_on_import, real_apply = hook.on_import, qkv_loader.apply
-def counting_on_import(module):
-    calls.append(threading.current_thread().name)
-    real_on_import(module)
-def counting_apply(module):
-    applied.append(threading.current_thread().name)
-    real_apply(module)
-hook.on_import = counting_on_import
-qkv_loader.apply = counting_apply
-import vllm_minicpm_hotfix as h
-h.install()
-barrier = threading.Barrier(2)
-mods, errors = [], []
-def worker():
-    barrier.wait()
-    try:
-        mods.append(importlib.import_module("{M46}"))
-    except BaseException as exc:
-        errors.append(repr(exc))
-threads = [threading.Thread(target=worker, name=f"t{{i}}") for i in range(2)]
-for t in threads: t.start()
-for t in threads: t.join(240)
-m = mods[0] if mods else None
-print(json.dumps({{"calls": calls, "applied": applied, "errors": errors, "modules": len(mods),
-                  "same": len(set(map(id, mods))) == 1, "patched": m is not None and (_base.patched_by(m.{ATTN}, "load_weights") is not None),
-                  "alive": [t.name for t in threads if t.is_alive()]}}))
-"""
-
-
 @ONE_RELEASE
 def test_two_threads_importing_the_module_patch_once(tmp_path):
-    out, log = fresh(THREADS, tmp_path, VLLM_MINICPM_HOTFIX="force")
+    out, log = fresh("two_threads_import", tmp_path, VLLM_MINICPM_HOTFIX="force")
     assert out["errors"] == [] and out["alive"] == [] and out["modules"] == 2 and out["same"]
     assert len(out["calls"]) == 1, out  # the hook ran once
     assert len(out["applied"]) == 1, out  # the classes were patched once
@@ -667,18 +587,9 @@ def test_two_threads_importing_the_module_patch_once(tmp_path):
     assert len(patched_pids(log, "qkv_loader")) == 1
 
 
-UNKNOWN_VALUE = f"""
-import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix.fixes import _base, qkv_loader
-h.install()
-import {M46} as m
-print(json.dumps({{"status": h.status(), "patched": (_base.patched_by(m.{ATTN}, "load_weights") is not None)}}))
-"""
-
-
 @ONE_RELEASE
 def test_unknown_mode_value_means_auto_with_one_warning(tmp_path, expected):
-    out, log = fresh(UNKNOWN_VALUE, tmp_path, VLLM_MINICPM_HOTFIX="sometimes")
+    out, log = fresh("install_and_import", tmp_path, VLLM_MINICPM_HOTFIX="sometimes")
     st = out["status"]
     assert st["mode"] == "auto"
     assert st["notes"] == ["VLLM_MINICPM_HOTFIX='sometimes' is not one of auto, force, off; using auto"]
@@ -688,37 +599,15 @@ def test_unknown_mode_value_means_auto_with_one_warning(tmp_path, expected):
     assert out["patched"] is (expected[0] == "broken")
 
 
-FAKE_M46 = '''
-"""A vLLM whose MiniCPM-V 4.6 module has a layout this hotfix does not know: no window-attention class."""
-class MiniCPMV4_6ForConditionalGeneration:
-    def load_weights(self, weights):
-        return set()
-'''
-
-UNRECOGNISED = f"""
-import logging
-import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix.fixes import _base, qkv_loader
-h.install()
-import {M46} as m
-lw = m.MiniCPMV4_6ForConditionalGeneration.__dict__["load_weights"]
-untouched = lw.__qualname__ == "MiniCPMV4_6ForConditionalGeneration.load_weights" and not hasattr(lw, "__wrapped__")
-print(json.dumps({{"status": h.status(), "untouched": untouched, "names": sorted(vars(m))}}))
-"""
+#: A stand-in ``vllm`` package whose model module has the model class and no window-attention class.
+UNKNOWN_LAYOUT = PROGRAMS / "unknown_layout"
 
 
 @pytest.mark.parametrize("mode", ["auto", "force"])
 def test_unrecognised_vllm_layout_real_interpreter(tmp_path, mode):
     """A stand-in ``vllm`` package (first on PYTHONPATH) whose model module lacks the self-attention class: the
     hook runs, skips with one warning per fix, and leaves the module alone -- also under force."""
-    fake = tmp_path / "fake-vllm"
-    pkg = fake / "vllm" / "model_executor" / "models"
-    pkg.mkdir(parents=True)
-    (fake / "vllm" / "__init__.py").write_text('__version__ = "9.9.9"\n')
-    (fake / "vllm" / "model_executor" / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "minicpmv4_6.py").write_text(FAKE_M46)
-    out, log = fresh(UNRECOGNISED, tmp_path, pythonpath=str(fake), VLLM_MINICPM_HOTFIX=mode)
+    out, log = fresh("install_and_import", tmp_path, pythonpath=str(UNKNOWN_LAYOUT), VLLM_MINICPM_HOTFIX=mode)
     fix = out["status"]["fixes"]["qkv_loader"]
     assert fix["verdict"] == "unrecognised" and fix["applied"] is False
     assert out["untouched"]
@@ -757,37 +646,17 @@ def pip_env_no_wrapt(work, wheel) -> Path:
     return python
 
 
-ARMED = """
-import sys, json
-print(json.dumps({"waiting": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
-                  "heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("wrapt", "torch", "vllm")),
-                  "ours": sorted(m for m in sys.modules if m.startswith("vllm_minicpm_hotfix")),
-                  "flags": [sys.flags.isolated, sys.flags.ignore_environment, sys.flags.no_site]}))
-"""
-
-
 def armed(python, tmp_path, *args: str, pythonpath: str = "") -> dict:
-    proc = subprocess.run([str(python), *args, "-c", ARMED], env=clean_env(PYTHONPATH=pythonpath), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-IMPORT_VLLM_ONLY = """
-import sys, json
-import vllm
-from vllm_minicpm_hotfix import _bootstrap
-import vllm_minicpm_hotfix as h
-print(json.dumps({"status": h.status(), "activations": _bootstrap.activations,
-                  "wrapt": getattr(sys.modules.get("wrapt"), "__file__", None)}))
-"""
+    out, _ = run_reporting("armed", python=python, flags=args, env=clean_env(PYTHONPATH=pythonpath), cwd=tmp_path,
+                           timeout=60)
+    return out
 
 
 @ONE_RELEASE
 def test_pip_route_without_wrapt_says_so_and_vllm_still_imports(pip_env_no_wrapt, tmp_path):
     """pip route, wrapt missing (installed with --no-deps, or uninstalled later): ``import vllm`` works, the hook is
     not installed, and one warning says why."""
-    out, log = run_python(pip_env_no_wrapt, IMPORT_VLLM_ONLY, env=clean_env(), cwd=tmp_path)
+    out, log = run_reporting("import_vllm", python=pip_env_no_wrapt, env=clean_env(), cwd=tmp_path)
     assert out["status"]["hook_installed"] is False and out["activations"] == [] and out["wrapt"] is None
     lines = [line for line in log.splitlines() if "could not activate (pth)" in line]
     assert len(lines) == 1, log
@@ -799,7 +668,7 @@ def test_pip_route_without_wrapt_says_so_and_vllm_still_imports(pip_env_no_wrapt
 def test_bundle_route_without_wrapt_uses_its_copy(bundle_dir, bare_env, tmp_path):
     """bundle route, no wrapt in the image: the bundle's vendored copy is used (import vllm only, ~15 s; the full
     model-module variant is tests/test_activation.py::test_bundle_without_wrapt_activates_with_its_own_wrapt)."""
-    out, _ = run_python(bare_env, IMPORT_VLLM_ONLY, env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
+    out, _ = run_reporting("import_vllm", python=bare_env, env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
     assert out["status"]["hook_installed"] is True and out["activations"] == ["sitecustomize"]
     assert Path(out["wrapt"]).resolve().is_relative_to((bundle_dir / "_vllm_minicpm_hotfix_vendor").resolve())
 
@@ -821,31 +690,13 @@ def uv_venv_without_vllm(dest: Path, wheel: Path, *, wrapt: bool) -> Path:
     return python
 
 
-NO_VLLM = """
-import sys, json, time
-start_modules = set(sys.modules)
-waiting = [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)]
-t0 = time.perf_counter()
-try:
-    import vllm
-    error = None
-except ImportError as exc:
-    error = f"{type(exc).__name__}: {exc}"
-print(json.dumps({"waiting": waiting, "error": error,
-                  "waiting_after": [f.source for f in sys.meta_path if getattr(f, "_vllm_minicpm_hotfix_waiting", False)],
-                  "at_start": sorted(m for m in start_modules if "vllm_minicpm_hotfix" in m),
-                  "after": sorted(m for m in set(sys.modules) - start_modules
-                                  if m.split(".")[0] in ("wrapt", "vllm_minicpm_hotfix", "torch", "vllm"))}))
-"""
-
-
 @pytest.mark.parametrize("wrapt", [True, False], ids=["with-wrapt", "no-wrapt"])
 def test_vllm_not_installed_is_a_no_op(wheel, tmp_path, wrapt):
     """No vLLM in the environment: start-up adds only the small start-up module; ``import vllm`` fails exactly as it
     would without the hotfix, and the finder, which looks vLLM up before it installs anything, imports nothing:
     no wrapt, no package, no warning (with or without wrapt)."""
     python = uv_venv_without_vllm(tmp_path / "venv", wheel, wrapt=wrapt)
-    out, log = run_python(python, NO_VLLM, env=clean_env(), cwd=tmp_path)
+    out, log = run_reporting("no_vllm", python=python, env=clean_env(), cwd=tmp_path)
     assert out["at_start"] == ["_vllm_minicpm_hotfix_arm"]
     assert out["waiting"] == ["pth"]
     assert out["error"] == "ModuleNotFoundError: No module named 'vllm'"
@@ -879,39 +730,18 @@ def test_interpreter_flags_which_routes_arm(pip_env, bundle_dir, tmp_path):
 def test_under_S_only_the_plugin_entry_point_remains(pip_env, tmp_path):
     """``python -S`` with site-packages put on ``sys.path`` by hand: no start-up route arms, but vLLM's
     ``load_general_plugins()`` still finds our entry point through the package metadata there."""
-    site = site_packages(pip_env)
-    code = (f"import sys, json; sys.path.append({str(site)!r})\n"
-            "from importlib.metadata import entry_points\n"
-            "eps = [(e.name, e.value) for e in entry_points(group='vllm.general_plugins')]\n"
-            "print(json.dumps({'eps': eps, 'waiting': [f.source for f in sys.meta_path "
-            "if getattr(f, '_vllm_minicpm_hotfix_waiting', False)]}))")
-    proc = subprocess.run([str(pip_env), "-S", "-c", code], env=clean_env(), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, _ = run_reporting("plugin_entry_points", site_packages(pip_env), python=pip_env, flags=("-S",),
+                           env=clean_env(), cwd=tmp_path, timeout=60)
     assert out["waiting"] == []
     assert ["minicpm_hotfix", "vllm_minicpm_hotfix.plugin:register"] in out["eps"]
-
-
-IMPORT_M46_AND_PLUGINS = f"""
-import sys, json
-import {M46} as m
-import vllm_minicpm_hotfix as h
-from vllm_minicpm_hotfix import _bootstrap
-from vllm_minicpm_hotfix.fixes import _base, qkv_loader
-from vllm.plugins import load_general_plugins
-load_general_plugins()
-print(json.dumps({{"status": h.status(), "activations": _bootstrap.activations,
-                  "patched": (_base.patched_by(m.{ATTN}, "load_weights") is not None)}}))
-"""
 
 
 @ONE_RELEASE
 def test_vllm_plugins_allowlist_without_ours_still_patched_by_pth(pip_env, tmp_path):
     """``VLLM_PLUGINS`` names other plugins only: vLLM does not call our entry point, the ``.pth`` route still
     activates (force: patched on every release), once."""
-    out, log = run_python(pip_env, IMPORT_M46_AND_PLUGINS,
-                          env=clean_env(VLLM_PLUGINS="some_other_plugin", VLLM_MINICPM_HOTFIX="force"), cwd=tmp_path)
+    out, log = run_reporting("import_m46", python=pip_env,
+                             env=clean_env(VLLM_PLUGINS="some_other_plugin", VLLM_MINICPM_HOTFIX="force"), cwd=tmp_path)
     assert out["activations"] == ["pth"]  # not "plugin": vLLM skipped our entry point
-    assert out["patched"] and out["status"]["fixes"]["qkv_loader"]["applied"]
+    assert out["attn_patched"] and out["status"]["fixes"]["qkv_loader"]["applied"]
     assert patched_pids(log, "qkv_loader") == [str(out["status"]["pid"])]

@@ -324,19 +324,14 @@ def test_encoder_budget_recorder_is_set_when_vllm_imports_it():
     v1 request and structured-output stack, ~0.5 s of CPU), and the recorder is on its ``compute_mm_encoder_budget``
     once vLLM imports it: the budget is vLLM's own function's (``encoder_cache_manager``, untouched) and the recorded
     cache size is its second value."""
-    import json
     import os
-    import subprocess
-    import sys
 
     from conftest import REPO
+    from support.programs import run_reporting
 
     env = {**os.environ, "PYTHONPATH": "", "VLLM_TARGET_DEVICE": "cpu"}
     env.pop("VLLM_MINICPM_HOTFIX", None)
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "budget_child.py"), str(REPO)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, _ = run_reporting("budget_child", REPO, env=env, timeout=600)
     print(f"\n{out}")
     assert out["applied"] is True
     assert out["imported_by_hook"] is False

@@ -24,7 +24,8 @@ import pytest
 from hotfix_log import patched_pids, summaries
 from conftest import REPO
 
-from e2e import clean_env, run_python
+from e2e import clean_env
+from support.programs import run_reporting
 from e2e.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat, chat_kwargs, serving
 
 E2E_RELEASES = ("0.28.0",)
@@ -155,12 +156,8 @@ def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
 
 
 def test_bundle_on_pythonpath_serves_images(bare_env, bundle_dir, tmp_path):
-    out, _ = run_python(  # this environment as a vLLM image ships it: no wrapt, no hotfix
-        bare_env,
-        "import importlib.util, json; print(json.dumps([importlib.util.find_spec(m) is None "
-        "for m in ('wrapt', 'vllm_minicpm_hotfix')]))",
-        env=clean_env(), cwd=tmp_path,
-    )
+    # this environment as a vLLM image ships it: no wrapt, no hotfix
+    out, _ = run_reporting("find_specs", "wrapt", "vllm_minicpm_hotfix", python=bare_env, env=clean_env(), cwd=tmp_path)
     assert out == [True, True]
     with serving(bare_env, clean_env(PYTHONPATH=str(bundle_dir)), tmp_path, "bundle", SERVE_ARGS) as server:
         assert server.wait_healthy(HEALTHY_WITHIN_S), server.log()[-6000:]

@@ -1,6 +1,7 @@
 """Write the independent reference of tests/test_independent_reference.py: the whole model as stock vLLM loads it.
 
-    VLLM_MINICPM_HOTFIX=off  <vLLM 0.32.0 python>  tests/reference_state_dict.py OUT_DIR DTYPE LABEL=CHECKPOINT_DIR...
+    VLLM_MINICPM_HOTFIX=off  <vLLM 0.32.0 python>  tests/programs/reference_state_dict.py
+        OUT_DIR DTYPE LABEL=CHECKPOINT_DIR...
 
 Run by the test in a fresh interpreter of the vLLM 0.32.0 environment, a release whose own q/k/v loading is correct
 (tests/expected.py ``VERDICTS``). It imports nothing of vllm-minicpm-hotfix -- not even its CPU model builder -- and
@@ -36,7 +37,8 @@ def free_port() -> int:
 
 
 def main(out_dir: str, dtype: str, checkpoints: list[str]) -> None:
-    # sys.path[0] is this folder (tests/); the repository root is not on the path. Make sure the hotfix is nowhere.
+    # sys.path[0] is this folder (tests/programs/); the repository root is not on the path. The hotfix must be
+    # nowhere.
     assert os.environ.get("VLLM_MINICPM_HOTFIX") == "off", "run with VLLM_MINICPM_HOTFIX=off"
     assert importlib.util.find_spec("vllm_minicpm_hotfix") is None, "vllm-minicpm-hotfix is importable here"
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

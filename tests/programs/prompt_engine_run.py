@@ -1,7 +1,7 @@
 """Run MiniCPM-V 4.6 requests through a real vLLM engine (``LLM.generate``) with the hotfix active; print the prompt
 token ids vLLM built for each request as one JSON line.
 
-    python tests/prompt_engine_run.py SPEC.json
+    python tests/programs/prompt_engine_run.py SPEC.json
 
 ``SPEC.json``: ``{"checkpoint": DIR, "requests": [{"name", "modality": "image"|"video", "sizes": [[w, h], ...],
 "frames": N, "kwargs": {...}}, ...], "revert": [fix NAME, ...], "limits": {...}}``; ``revert`` (optional, for showing
@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 os.environ.update(
     VLLM_ENABLE_V1_MULTIPROCESSING="0",

@@ -1,0 +1,3 @@
+"""Prints ``ran``: start-up went on to run the program (tests/test_activation.py, a broken install's ``.pth``)."""
+
+print("ran")
