@@ -44,7 +44,7 @@ import torch
 import vllm.model_executor.models.minicpmv4_6 as m
 import vllm_minicpm_hotfix as h
 from vllm_minicpm_hotfix import _bootstrap
-from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint
+from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint
 from vllm_minicpm_hotfix.fixes._base import revert
 ckpt = sys.argv[1]
 P = "model.vision_tower.vit_merger.self_attn."

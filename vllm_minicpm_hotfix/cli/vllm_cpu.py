@@ -4,7 +4,7 @@ The recipe is the measured one in shared/notes/vllm-on-cpu.md ("How the model wa
 ``model.load_weights(iter over (name, tensor))`` call vLLM's DefaultModelLoader makes.  The API used here is the same
 in every vLLM release 0.26.0-0.33.0.
 
-    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors
+    from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, checkpoint_tensors
     model = build_vllm_model(ckpt_dir)                                  # raises what load_weights raises
     ckpt = checkpoint_tensors(ckpt_dir)
     assert torch.equal(model.vit_merger.self_attn.qkv_proj.weight, torch.cat([ckpt[q], ckpt[k], ckpt[v]]))
@@ -41,12 +41,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_distributed() -> None:
-    """Initialise vLLM's (single-rank, gloo) distributed environment once per process, on a free port."""
+def ensure_distributed(backend: str = "gloo") -> None:
+    """Initialise vLLM's single-rank distributed environment once per process, on a free port of 127.0.0.1
+    (``vllm.distributed.parallel_state.init_distributed_environment``, world size 1, rank 0). ``backend`` is
+    ``torch.distributed``'s: ``"gloo"`` on CPU, ``"nccl"`` on a GPU. Nothing to do if ``torch.distributed`` is
+    already initialised (by an earlier call, or by the caller)."""
     global _distributed_ready
     if _distributed_ready:
         return
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if backend == "gloo":
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import torch.distributed as dist
     from vllm.distributed.parallel_state import init_distributed_environment
 
@@ -56,7 +60,7 @@ def ensure_distributed() -> None:
             rank=0,
             distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
             local_rank=0,
-            backend="gloo",
+            backend=backend,
         )
     _distributed_ready = True
 

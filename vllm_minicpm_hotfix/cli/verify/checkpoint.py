@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ._cliutil import exc_line, one_line
-from .fixes.qkv_loader import MODEL_CLASS, SHARD_IDS
+from .._util import exc_line, one_line
+from ...fixes.qkv_loader import MODEL_CLASS, SHARD_IDS
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "data" / "tiny-minicpm-v46"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-minicpm-v46"
 MODEL_TYPE = "minicpmv4_6"
 ARCHITECTURE = MODEL_CLASS
 #: Where checkpoints keep the window-merger attention (transformers >= 5.7 layout first, the older flat one second;
@@ -95,7 +95,7 @@ def unreadable(path: Path, exc: BaseException, what: str = "") -> BadInput:
     what went wrong in safetensors' words, e.g. ``.../model-00003-of-00003.safetensors (1.2 GiB): truncated or
     corrupt safetensors file -- the header does not match the file's size (incomplete metadata, file not fully
     covered)``. ``what`` names the tensor being read, if any."""
-    from ._cliutil import fmt_bytes
+    from .._util import fmt_bytes
 
     try:
         size = f" ({fmt_bytes(path.stat().st_size)})"
