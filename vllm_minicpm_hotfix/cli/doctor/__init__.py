@@ -18,8 +18,8 @@ Two parts:
   (patched or not).
 
 Where it lives: what it gathers in :mod:`vllm_minicpm_hotfix.cli.doctor.facts`, what it concludes in
-:func:`vllm_minicpm_hotfix.cli.doctor.judge.judge` (the whole verdict in one function), how it prints in
-:mod:`vllm_minicpm_hotfix.cli.doctor.render`; this module runs the three (:func:`collect`) and keeps their public names.
+:func:`vllm_minicpm_hotfix.cli.doctor.verdict.judge` (the whole verdict in one function), how it prints in
+:mod:`vllm_minicpm_hotfix.cli.doctor.table`; this module runs the three (:func:`collect`) and keeps their public names.
 
 Exit status 0 when every fix is either not needed (vLLM correct upstream) or applied in that process, 1 otherwise; the
 verdict line says why and what to do, and the last line whether the package is still needed here (from the recorded
@@ -46,15 +46,15 @@ from .facts import (
     wrapt_facts,
     wrapt_used,
 )
-from .judge import assess_fixes, judge, removal
-from .render import render, rows
+from .table import render, rows
+from .verdict import assess_fixes, judge, removal
 
 
 def collect(timeout: float = 600.0) -> dict[str, Any]:
     """Gather every fact (:mod:`.facts`; the fresh vLLM process only where vLLM is installed), judge them
-    (:mod:`.judge`) and lay out the table (:mod:`.render`). Returns the report ``--json`` prints:
+    (:mod:`.verdict`) and lay out the table (:mod:`.table`). Returns the report ``--json`` prints:
     ``python``, ``vllm``, ``mode``, ``activation``, ``wrapt``, ``child``, ``fixes``, ``ok``, ``summary``, ``removal``
-    (the closing sentence and its facts, :func:`vllm_minicpm_hotfix.cli.doctor.judge.removal`; None without fixes),
+    (the closing sentence and its facts, :func:`vllm_minicpm_hotfix.cli.doctor.verdict.removal`; None without fixes),
     ``checks``.
     """
     activation = activation_facts()

@@ -7,7 +7,7 @@
 * :func:`run_child`: one fresh vLLM process, the program :mod:`vllm_minicpm_hotfix.cli.doctor.child` run by path.
 
 Every function returns JSON-serialisable dicts and raises nothing a broken environment can cause. The judgement is
-:mod:`vllm_minicpm_hotfix.cli.doctor.judge`, the table :mod:`vllm_minicpm_hotfix.cli.doctor.render`.
+:mod:`vllm_minicpm_hotfix.cli.doctor.verdict`, the table :mod:`vllm_minicpm_hotfix.cli.doctor.table`.
 """
 
 from __future__ import annotations
