@@ -1,6 +1,6 @@
-"""``verify``'s checkpoint side (vllm_minicpm_hotfix/cli/verify/checkpoint.py): the tensors it reads are the ones vLLM's own
-``safetensors_weights_iterator`` yields, in the same order, and a broken safetensors file gives one line that names
-it -- which safetensors' (and so vLLM's) own error does not.
+"""``verify``'s checkpoint side (vllm_minicpm_hotfix/cli/verify/checkpoint.py): the tensors it reads are the ones
+vLLM's own ``safetensors_weights_iterator`` yields, in the same order, and a broken safetensors file gives one line
+that names it -- which safetensors' (and so vLLM's) own error does not.
 
 Real files only: the bundled tiny checkpoint, re-split into shards with safetensors, and copies of it broken the ways
 downloads break (cut short, trailing bytes, a garbage or corrupt header, an unknown dtype). The reference for what a

@@ -1,7 +1,7 @@
 """The program ``doctor`` runs in fresh interpreters of the environment it examines.
 
-``doctor`` starts this file **by path** (``python [its interpreter flags] .../cli/doctor/child.py MODE NAMES ...``), never
-as ``python -m vllm_minicpm_hotfix...``: a ``-m`` run would import the package's ``__init__`` before anything else,
+``doctor`` starts this file **by path** (``python [its interpreter flags] .../cli/doctor/child.py MODE NAMES ...``),
+never as ``python -m vllm_minicpm_hotfix...``: a ``-m`` run would import the package's ``__init__`` before anything else,
 and the point of the child is to see whether the *environment's own* activation paths -- the ``.pth`` file,
 ``sitecustomize.py``, vLLM's ``vllm.general_plugins`` entry point -- armed and installed the hotfix. So until vLLM and
 the model module are imported this file uses nothing but ``sys``, ``os``, ``json`` and ``time``; the names it looks

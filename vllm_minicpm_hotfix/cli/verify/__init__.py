@@ -34,8 +34,8 @@ offline). No traceback unless ``--debug``.
 Where it lives: what it gathers in :mod:`vllm_minicpm_hotfix.cli.verify.checkpoint` (the checkpoint) and
 :mod:`vllm_minicpm_hotfix.cli.verify.build` (vLLM, the model, the load), what it concludes in
 :mod:`vllm_minicpm_hotfix.cli.verify.judge` (:func:`~vllm_minicpm_hotfix.cli.verify.judge.compare` and
-:func:`~vllm_minicpm_hotfix.cli.verify.judge.verdict`), how it prints in :mod:`vllm_minicpm_hotfix.cli.verify.render`; this
-module runs them in order (:func:`main`) and keeps their public names.
+:func:`~vllm_minicpm_hotfix.cli.verify.judge.verdict`), how it prints in
+:mod:`vllm_minicpm_hotfix.cli.verify.render`; this module runs them in order (:func:`main`) and keeps their public names.
 """
 
 from __future__ import annotations
