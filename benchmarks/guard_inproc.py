@@ -37,7 +37,7 @@ def main() -> int:
     from safetensors import safe_open
 
     from vllm_minicpm_hotfix.fixes import _base, qkv_guard
-    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_files, load_checkpoint
+    from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, checkpoint_files, load_checkpoint
 
     model = build_vllm_model(ckpt, dtype="bfloat16", load=False)
     module = sys.modules[type(model).__module__]

@@ -30,7 +30,7 @@ def main() -> int:
 
     import vllm_minicpm_hotfix
     from vllm_minicpm_hotfix.fixes import _base, qkv_loader
-    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, load_checkpoint
+    from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, load_checkpoint
 
     vllm_minicpm_hotfix.install()
     model = build_vllm_model(ckpt, dtype="bfloat16", load=False)

@@ -138,7 +138,7 @@ def main() -> int:
     import torch
 
     import vllm_minicpm_hotfix
-    from vllm_minicpm_hotfix.vllm_cpu import (
+    from vllm_minicpm_hotfix.cli.vllm_cpu import (
         build_vllm_model,
         checkpoint_files,
         load_checkpoint,

@@ -94,7 +94,7 @@ def stock_load(ckpt: Path) -> None:
 
     from vllm_minicpm_hotfix.fixes import REGISTRY
     from vllm_minicpm_hotfix.hook import TARGET_MODULE
-    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, load_checkpoint
+    from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, load_checkpoint
 
     model = build_vllm_model(ckpt, load=False)
     try:
@@ -117,7 +117,7 @@ def patched_load(ckpt: Path) -> bool:
 
     import vllm_minicpm_hotfix
     from vllm_minicpm_hotfix.fixes import REGISTRY
-    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint
+    from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint
 
     vllm_minicpm_hotfix.install()
     fixes = vllm_minicpm_hotfix.status()["fixes"]

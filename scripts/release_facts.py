@@ -16,13 +16,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_minicpm_hotfix import releases  # noqa: E402
+from vllm_minicpm_hotfix.cli import releases  # noqa: E402
 
 RUN = REPO / "docs" / "results" / "test-run.json"
 
 
 def render() -> str:
-    """The file's text: :func:`vllm_minicpm_hotfix.releases.derive` of the recorded run, as indented JSON."""
+    """The file's text: :func:`vllm_minicpm_hotfix.cli.releases.derive` of the recorded run, as indented JSON."""
     return json.dumps(releases.derive(json.loads(RUN.read_text())), indent=1) + "\n"
 
 

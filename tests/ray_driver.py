@@ -11,7 +11,7 @@ folder -- never from the repository: Ray puts the driver's script folder and wor
     runtime_env (``ParallelConfig.ray_runtime_env``, which vLLM reads from ``ray.get_runtime_context().runtime_env``)
     with vLLM's own ``env_vars`` added. Each actor calls ``vllm.plugins.load_general_plugins()`` as vLLM's worker does
     (``WorkerWrapperBase.init_worker``), then builds vLLM's ``MiniCPMV4_6ForConditionalGeneration`` on CPU and loads the
-    checkpoint with ``model.load_weights`` (``vllm_minicpm_hotfix/vllm_cpu.py``'s ``build_vllm_model``, whose source
+    checkpoint with ``model.load_weights`` (``vllm_minicpm_hotfix/cli/vllm_cpu.py``'s ``build_vllm_model``, whose source
     the driver hands over, so the actor needs nothing of the hotfix on its node), then compares the vit_merger
     ``qkv_proj`` with ``cat(q, k, v)`` of the checkpoint's own tensors (read with safetensors). The actors' log lines
     reach this process's stdout through Ray, prefixed ``(MiniCPMLoader pid=N, ip=IP)``; the results go to RESULT.json.

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from conftest import FULL_ENVS, REPO, TINY
 
-from vllm_minicpm_hotfix import doctor, verify
+from vllm_minicpm_hotfix.cli import doctor, verify
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 
@@ -101,7 +101,8 @@ class Setups:
             proc = subprocess.run([sys.executable, "-c", run_from(self.src), "bundle", str(out)], cwd=self.cwd,
                                   env=self.env(), capture_output=True, text=True, timeout=120)
             assert proc.returncode == 0, proc.stdout + proc.stderr
-            assert (out / "sitecustomize.py").is_file() and (out / "vllm_minicpm_hotfix" / "doctor.py").is_file()
+            doctor_module = out / "vllm_minicpm_hotfix" / "cli" / "doctor" / "__init__.py"
+            assert (out / "sitecustomize.py").is_file() and doctor_module.is_file()
             self._bundle = out
         return self._bundle
 

@@ -1,4 +1,4 @@
-"""``vllm_minicpm_hotfix/doctor_child.py``: the program ``doctor`` runs by path in fresh interpreters, here in its
+"""``vllm_minicpm_hotfix/cli/doctor/child.py``: the program ``doctor`` runs by path in fresh interpreters, here in its
 ``startup`` mode, in real interpreters of this environment (real start-up: ``site``, PYTHONPATH, the repository's
 ``sitecustomize.py``). Its ``vllm`` mode -- the fresh vLLM process -- is what every ``doctor`` run in
 tests/test_cli.py starts, for each way the hotfix can be present.
@@ -21,7 +21,7 @@ import sys
 import pytest
 from conftest import FULL_ENVS, REPO
 
-from vllm_minicpm_hotfix import doctor_child, doctor_facts
+from vllm_minicpm_hotfix.cli.doctor import child as doctor_child, facts as doctor_facts
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 
@@ -30,7 +30,7 @@ PACKAGE_DIR = str(REPO / "vllm_minicpm_hotfix")
 
 
 def start(*flags: str, cwd=None, **env: str) -> tuple[dict, str]:
-    """``python FLAGS .../doctor_child.py startup NAMES`` with this environment's variables plus ``env`` (nothing of
+    """``python FLAGS .../cli/doctor/child.py startup NAMES`` with this environment's variables plus ``env`` (nothing of
     the hotfix unless ``env`` names it); returns the JSON it prints and its stderr."""
     full = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_MINICPM_HOTFIX")}
     full.update(env)
@@ -50,7 +50,7 @@ def test_the_child_is_the_file_doctor_runs():
 def test_it_imports_nothing_at_module_level():
     """Only ``sys`` at module level: until vLLM is imported the child must not pull in the package (whose
     ``__init__`` is what the environment's activation is expected to import) nor anything from its own folder."""
-    tree = ast.parse(REPO.joinpath("vllm_minicpm_hotfix", "doctor_child.py").read_text())
+    tree = ast.parse(REPO.joinpath("vllm_minicpm_hotfix", "cli", "doctor", "child.py").read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert [a.name for n in top for a in n.names] == ["sys"]
 
@@ -87,4 +87,4 @@ def test_isolated_mode_ignores_pythonpath():
 
 def test_usage_error(capsys):
     assert doctor_child.main(["startup"]) == 2
-    assert "usage: doctor_child.py" in capsys.readouterr().err
+    assert "usage: child.py" in capsys.readouterr().err

@@ -178,28 +178,16 @@ def vproc(mconfig):
 def build_model(m46, **limits):
     """vLLM's model for the tiny checkpoint on CPU (``limit_mm_per_prompt`` from ``limits``), loaded through the
     q/k/v fix where this vLLM needs it, its vision side post-processed as vLLM's loader does."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import initialize_model_parallel, model_parallel_is_initialized
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm_build import ensure_distributed, load_checkpoint
+    from vllm_build import build_vllm_model, load_checkpoint
 
-    ensure_distributed()
-    mc = model_config(**({"limit_mm_per_prompt": limits} if limits else {}))
-    vllm_config = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"))
-    old = torch.get_default_dtype()
-    with set_current_vllm_config(vllm_config):
-        if not model_parallel_is_initialized():
-            initialize_model_parallel(1, 1)
-        torch.set_default_dtype(torch.float32)
-        try:
-            with torch.device("cpu"):
-                model = m46.MiniCPMV4_6ForConditionalGeneration(vllm_config=vllm_config)
-        finally:
-            torch.set_default_dtype(old)
-    model.vllm_config = vllm_config
+    model = build_vllm_model(TINY, load=False, model_cls=m46.MiniCPMV4_6ForConditionalGeneration,
+                             skip_tokenizer_init=False, **({"limit_mm_per_prompt": limits} if limits else {}))
+    mc = model.vllm_config.model_config
     with hotfix(m46, "auto", fixes=("qkv_loader",)):
         load_checkpoint(model, TINY)
-    with set_current_vllm_config(vllm_config):
+    with set_current_vllm_config(model.vllm_config):
         for name, child in model.named_children():
             if name not in ("language_model", "llm") and not any(p.is_meta for p in child.parameters()):
                 process_weights_after_loading(child, mc, torch.device("cpu"))

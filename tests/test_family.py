@@ -207,7 +207,7 @@ def test_member_verdicts_are_pinned(m46, environment, monkeypatch):
 def test_status_and_doctor_name_undeclared_subclasses(m46):
     import family_subclass  # noqa: F401 - defines and registers the "4.8" classes
 
-    from vllm_minicpm_hotfix import doctor_judge, doctor_render
+    from vllm_minicpm_hotfix.cli.doctor import table as doctor_render, verdict as doctor_judge
 
     with hotfix(m46, "force", fixes=None):
         fixes = vllm_minicpm_hotfix.status()["fixes"]
@@ -234,7 +234,7 @@ def test_status_and_doctor_name_undeclared_subclasses(m46):
             assert rows[member]["declared"] is (member in _base.models_of(fix)), (fix.NAME, member, rows[member])
 
     # doctor, from what its child process reports (the same functions it runs there)
-    from vllm_minicpm_hotfix import doctor_child
+    from vllm_minicpm_hotfix.cli.doctor import child as doctor_child
 
     child = {"status": {"fixes": fixes}}
     child.update(doctor_child.probe_fixes({"package": "vllm_minicpm_hotfix"}, m46, ""))
@@ -355,7 +355,7 @@ def test_v47_refusal_names_the_served_model(m46, v47):
 def test_doctor_fails_a_declared_member_left_broken(m46):
     """A fix applied for 4.6 but not acting for 4.7 (which it declares), 4.7's classes still broken: doctor's row for
     the fix on 4.7 is FAIL and its verdict fails naming MiniCPM-V 4.7, while every 4.6 row is OK."""
-    from vllm_minicpm_hotfix import doctor_child, doctor_judge, doctor_render
+    from vllm_minicpm_hotfix.cli.doctor import child as doctor_child, table as doctor_render, verdict as doctor_judge
 
     with hotfix(m46, "force", fixes=None):
         _base._ACTIVE["mm_placeholders"] = frozenset({"MiniCPM-V 4.6"})  # as if the hook had chosen 4.6 only

@@ -20,6 +20,7 @@ from conftest import TINY, hotfix, observed
 from vllm_build import build_vllm_model, load_checkpoint
 
 from vllm_minicpm_hotfix import decision, quant_layout
+from vllm_minicpm_hotfix.cli import quant_report
 from vllm_minicpm_hotfix.fixes import _base
 from vllm_minicpm_hotfix.fixes import _deferred
 from vllm_minicpm_hotfix.fixes import quantized_vision as qv
@@ -441,14 +442,14 @@ def test_any_unknown_method_is_explained(m46, release, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# What doctor --model / verify --model report (quant_layout), against the checkpoints written here
+# What doctor --model / verify --model report (quant_report), against the checkpoints written here
 # --------------------------------------------------------------------------------------------------------------------
 
 
 def test_layout_report_rows(m46, written):
     """The report says, layer by layer, how the checkpoint stores each vision linear layer and what vLLM builds:
     for the AWQ checkpoint stock vLLM disagrees on every vpm / vit_merger.self_attn layer, the hotfix on none."""
-    rep = quant_layout.report(written["awq"], hotfix=False)
+    rep = quant_report.report(written["awq"], hotfix=False)
     stock, fixed = rep["stock"], rep["hotfix"]
     names = {r.layer for r in stock}
     assert {"vpm.encoder.layers.0.self_attn.qkv_proj", "vpm.encoder.layers.1.mlp.fc2", "vit_merger.self_attn.qkv_proj",
@@ -458,11 +459,11 @@ def test_layout_report_rows(m46, written):
     assert quantized_stock == {n for n in names if n.startswith(("vpm.", "vit_merger.self_attn."))}
     assert {r.layer for r in stock if r.agrees is False} == quantized_stock
     assert all(r.agrees for r in fixed), [r for r in fixed if not r.agrees]
-    agrees, lines = quant_layout.report_lines(rep)
+    agrees, lines = quant_report.report_lines(rep)
     assert not agrees and "DISAGREE (stock)" in lines[1] and "stock vLLM builds 10 quantized" in lines[0], lines
-    assert quant_layout.report_lines(dict(rep, active="hotfix"))[0] is True
+    assert quant_report.report_lines(dict(rep, active="hotfix"))[0] is True
     # the vit_merger q/k/v stored GPTQ: both agree on that layer (vLLM reads GPTQ dtypes itself when there is no list)
-    rep = quant_layout.report(written["gptq_vitqkv"], hotfix=True)
+    rep = quant_report.report(written["gptq_vitqkv"], hotfix=True)
     row = {r.layer: r for r in rep["hotfix"]}["vit_merger.self_attn.qkv_proj"]
     assert row.stored == "quantized" and row.built_quantized and row.agrees
-    assert quant_layout.report(TINY) == {"quant_method": None}
+    assert quant_report.report(TINY) == {"quant_method": None}

@@ -17,7 +17,8 @@ import pytest
 from conftest import REPO
 
 import vllm_minicpm_hotfix
-from vllm_minicpm_hotfix import doctor_judge, doctor_render, releases
+from vllm_minicpm_hotfix.cli import releases
+from vllm_minicpm_hotfix.cli.doctor import table as doctor_render, verdict as doctor_judge
 from vllm_minicpm_hotfix.fixes import names
 
 pytestmark = pytest.mark.placed("0.22.1")

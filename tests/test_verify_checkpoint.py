@@ -1,6 +1,6 @@
-"""``verify``'s checkpoint side (vllm_minicpm_hotfix/verify_checkpoint.py): the tensors it reads are the ones vLLM's own
-``safetensors_weights_iterator`` yields, in the same order, and a broken safetensors file gives one line that names
-it -- which safetensors' (and so vLLM's) own error does not.
+"""``verify``'s checkpoint side (vllm_minicpm_hotfix/cli/verify/checkpoint.py): the tensors it reads are the ones
+vLLM's own ``safetensors_weights_iterator`` yields, in the same order, and a broken safetensors file gives one line
+that names it -- which safetensors' (and so vLLM's) own error does not.
 
 Real files only: the bundled tiny checkpoint, re-split into shards with safetensors, and copies of it broken the ways
 downloads break (cut short, trailing bytes, a garbage or corrupt header, an unknown dtype). The reference for what a
@@ -22,8 +22,8 @@ from conftest import FULL_ENVS, TINY
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from vllm_minicpm_hotfix import verify
-from vllm_minicpm_hotfix.verify_checkpoint import BadInput, inspect_checkpoint, read_header, read_tensor
+from vllm_minicpm_hotfix.cli import verify
+from vllm_minicpm_hotfix.cli.verify.checkpoint import BadInput, inspect_checkpoint, read_header, read_tensor
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 
@@ -155,7 +155,7 @@ def _drawn_on_a_terminal(total: int, steps: int) -> str:
     import struct
     import termios
 
-    from vllm_minicpm_hotfix._cliutil import progress
+    from vllm_minicpm_hotfix.cli._util import progress
 
     leader, follower = os.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
@@ -178,7 +178,7 @@ def test_progress_only_on_a_terminal():
     a pipe, and erased when done (``leave=False``)."""
     import io
 
-    from vllm_minicpm_hotfix._cliutil import progress
+    from vllm_minicpm_hotfix.cli._util import progress
 
     off = io.StringIO()
     with progress(3 * 2**20, "loading", stream=off) as bar:

@@ -49,7 +49,7 @@ def main(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
     from vllm.model_executor.models.vision import is_vit_use_data_parallel
 
     from vllm_minicpm_hotfix.fixes.qkv_loader import load_weights
-    from vllm_minicpm_hotfix.vllm_cpu import checkpoint_tensors
+    from vllm_minicpm_hotfix.cli.vllm_cpu import checkpoint_tensors
 
     # What vLLM's CPU worker sets before initialising (vllm/v1/worker/cpu_worker.py): the CPU communicator names its
     # shared-memory group after it; the same value on every rank of this run, unique per run.

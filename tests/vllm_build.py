@@ -1,6 +1,6 @@
 """Tests import the CPU model builder from here; it lives in the package (the demo and ``verify`` use it too)."""
 
-from vllm_minicpm_hotfix.vllm_cpu import (  # noqa: F401
+from vllm_minicpm_hotfix.cli.vllm_cpu import (  # noqa: F401
     build_vllm_model,
     checkpoint_files,
     checkpoint_tensors,

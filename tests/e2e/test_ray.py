@@ -144,7 +144,7 @@ def jobs(cluster, ray_work, plain_py, pip_py, bundle_dir, base_env) -> dict[str,
         "engine": (pip_py, "engine", "-", runtime_env, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
     }
     env = {**base_env, "RAY_ADDRESS": cluster.address, "CKPT": str(TINY),
-           "VLLM_CPU_PY": str(REPO / "vllm_minicpm_hotfix" / "vllm_cpu.py")}
+           "VLLM_CPU_PY": str(REPO / "vllm_minicpm_hotfix" / "cli" / "vllm_cpu.py")}
 
     def one(name: str) -> dict:
         python, mode, nodes, renv, extra = specs[name]

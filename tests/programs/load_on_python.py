@@ -12,7 +12,7 @@ import torch  # noqa: E402
 import vllm.model_executor.models.minicpmv4_6 as m  # noqa: E402
 import vllm_minicpm_hotfix as h  # noqa: E402
 from vllm_minicpm_hotfix import _bootstrap  # noqa: E402
-from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint  # noqa: E402
+from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, checkpoint_tensors, load_checkpoint  # noqa: E402
 from vllm_minicpm_hotfix.fixes._base import revert  # noqa: E402
 
 ckpt = sys.argv[1]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import sys
 
-from ._cliutil import fmt_bytes, print_table, vllm_distributions
-from .verify_checkpoint import Checkpoint
-from .verify_judge import Row
-from .verify_vllm import Built
+from .._util import fmt_bytes, print_table, vllm_distributions
+from .checkpoint import Checkpoint
+from .judge import Row
+from .build import Built
 
 
 def _line(label: str, text: str) -> None:
@@ -34,7 +34,7 @@ def hotfix(line: str) -> None:
 
 
 def quantized(text: str, *, first: bool) -> None:
-    """One line of a quantized checkpoint's report (:func:`vllm_minicpm_hotfix.quant_layout.report_lines`)."""
+    """One line of a quantized checkpoint's report (:func:`vllm_minicpm_hotfix.cli.quant_report.report_lines`)."""
     _line("quantized" if first else "", text)
 
 

@@ -60,9 +60,9 @@ def _unreachable(address: str) -> str | None:
 def node_names() -> dict[str, Any]:
     """The names :func:`node_facts` looks for on a node, from the modules that define them (the node may not have
     the package: they travel as the task's argument)."""
-    from . import _bootstrap, plugin
-    from .bundle import PACKAGE
-    from .decision import ENV_VAR, OFF_VALUES
+    from ... import _bootstrap, plugin
+    from ...bundle import PACKAGE
+    from ...decision import ENV_VAR, OFF_VALUES
 
     return {"plugin_group": plugin.GROUP, "plugin_name": plugin.NAME, "package": PACKAGE,
             "arm_module": _bootstrap.ARM_MODULE, "finder_flag": _bootstrap.FINDER_FLAG,
@@ -298,7 +298,7 @@ def summary(rows: list[dict[str, Any]]) -> tuple[bool, str]:
 
 def run(address: str | None, runtime_env_json: str | None, as_json: bool, timeout: float) -> int:
     """``doctor --ray``: print the table (or JSON) and return the exit status."""
-    from ._cliutil import exc_line, print_table, print_verdict
+    from .._util import exc_line, print_table, print_verdict
 
     try:
         runtime_env = json.loads(runtime_env_json) if runtime_env_json else None

@@ -20,10 +20,10 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._cliutil import exc_line, vllm_distributions
-from .fixes import REGISTRY
-from .hook import TARGET_MODULE
-from .verify_checkpoint import ARCHITECTURE, Checkpoint
+from .._util import exc_line, vllm_distributions
+from ...fixes import REGISTRY
+from ...hook import TARGET_MODULE
+from .checkpoint import ARCHITECTURE, Checkpoint
 
 
 class VerifyFailed(Exception):
@@ -87,30 +87,6 @@ def hotfix_state() -> tuple[bool, str, dict]:
     return True, f"active (mode {st.get('mode')}, activated by {by}): " + "; ".join(parts), st
 
 
-_distributed: set[str] = set()
-
-
-def _ensure_distributed(device: str) -> None:
-    if device == "cpu":
-        from .vllm_cpu import ensure_distributed
-
-        ensure_distributed()
-        return
-    if device in _distributed:
-        return
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import init_distributed_environment
-
-    from .vllm_cpu import _free_port
-
-    if not dist.is_initialized():
-        init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", local_rank=0,
-            backend="nccl",
-        )
-    _distributed.add(device)
-
-
 @dataclasses.dataclass
 class Built:
     model: Any
@@ -149,7 +125,9 @@ def _build(ckpt: Checkpoint, module: Any, *, device: str, dtype: str, encoder_on
         model_parallel_is_initialized,
     )
 
-    _ensure_distributed(device)
+    from ..vllm_cpu import _default_dtype, ensure_distributed
+
+    ensure_distributed("gloo" if device == "cpu" else "nccl")
     kwargs: dict[str, Any] = {"model": str(ckpt.path), "skip_tokenizer_init": True, "dtype": dtype,
                               "enforce_eager": True}
     if encoder_only:
@@ -182,8 +160,6 @@ def _build(ckpt: Checkpoint, module: Any, *, device: str, dtype: str, encoder_on
             model_cls, _ = get_model_architecture(model_config)
         except Exception:  # noqa: BLE001 - an older/newer layout of vLLM's loader utils: the module's own class
             model_cls = getattr(module, ARCHITECTURE)
-        from .vllm_cpu import _default_dtype
-
         if vllm_config.quant_config is not None:  # as vLLM's initialize_model does (maps the quant config's lists)
             from vllm.model_executor.model_loader.utils import configure_quant_config
 

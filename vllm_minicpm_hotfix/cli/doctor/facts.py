@@ -4,10 +4,10 @@
   :func:`python_facts`, :func:`vllm_facts`, :func:`mode_facts`, :func:`activation_facts` (entry point and
   ``VLLM_PLUGINS``, the ``.pth`` and its PEP 829 ``.start`` file in site-packages, ``sitecustomize.py`` on ``sys.path`` and what it chains to, bundle
   folders, and a fresh interpreter's start-up), :func:`wrapt_facts`.
-* :func:`run_child`: one fresh vLLM process, the program :mod:`vllm_minicpm_hotfix.doctor_child` run by path.
+* :func:`run_child`: one fresh vLLM process, the program :mod:`vllm_minicpm_hotfix.cli.doctor.child` run by path.
 
 Every function returns JSON-serialisable dicts and raises nothing a broken environment can cause. The judgement is
-:mod:`vllm_minicpm_hotfix.doctor_judge`, the table :mod:`vllm_minicpm_hotfix.doctor_render`.
+:mod:`vllm_minicpm_hotfix.cli.doctor.verdict`, the table :mod:`vllm_minicpm_hotfix.cli.doctor.table`.
 """
 
 from __future__ import annotations
@@ -21,15 +21,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import plugin
-from ._bootstrap import ARM_MODULE, FINDER_FLAG, PTH_NAME, SITECUSTOMIZE_MARKER, START_NAME, VENDOR_DIR
-from ._cliutil import one_line, vllm_distributions
-from .bundle import MANIFEST as BUNDLE_MANIFEST
-from .bundle import PACKAGE
-from .hook import TARGET_MODULE
+from ... import plugin
+from ..._bootstrap import ARM_MODULE, FINDER_FLAG, PTH_NAME, SITECUSTOMIZE_MARKER, START_NAME, VENDOR_DIR
+from .._util import one_line, vllm_distributions
+from ...bundle import MANIFEST as BUNDLE_MANIFEST
+from ...bundle import PACKAGE
+from ...hook import TARGET_MODULE
 
 #: The program run in the fresh interpreters, by path.
-CHILD = Path(__file__).resolve().with_name("doctor_child.py")
+#: The folder of the package this module belongs to (``.../vllm_minicpm_hotfix``).
+PACKAGE_DIR = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).resolve().with_name("child.py")
 #: The distribution name pip knows the package by.
 DISTRIBUTION = "vllm-minicpm-hotfix"
 
@@ -106,7 +108,7 @@ def vllm_facts() -> dict[str, Any]:
 
 def mode_facts() -> dict[str, Any]:
     """``VLLM_MINICPM_HOTFIX`` as the hook reads it: ``value`` (auto/force/off), ``env`` (raw), ``problem``."""
-    from .decision import ENV_VAR, mode_from_env
+    from ...decision import ENV_VAR, mode_from_env
 
     mode, problem = mode_from_env()
     return {"value": mode.value, "env": os.environ.get(ENV_VAR), "problem": problem}
@@ -270,7 +272,7 @@ def package_facts() -> dict[str, Any]:
         installed = {"version": dist.version, "location": str(dist.locate_file(""))}
     except Exception:  # noqa: BLE001
         installed = None
-    return {"distribution": installed, "this_copy": str(Path(__file__).resolve().parent), "importable_from": origin}
+    return {"distribution": installed, "this_copy": str(PACKAGE_DIR), "importable_from": origin}
 
 
 def activation_facts() -> dict[str, Any]:
@@ -348,7 +350,7 @@ def wrapt_used(child_wrapt: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_names() -> dict[str, str]:
-    """The names :mod:`vllm_minicpm_hotfix.doctor_child` looks for, from the modules that define them (it may import
+    """The names :mod:`vllm_minicpm_hotfix.cli.doctor.child` looks for, from the modules that define them (it may import
     none of them itself)."""
     return {"package": PACKAGE, "model_module": TARGET_MODULE, "finder_flag": FINDER_FLAG,
             "sitecustomize_marker": SITECUSTOMIZE_MARKER}
@@ -361,7 +363,7 @@ def child_command(*args: str) -> list[str]:
 
 def startup_facts(timeout: float = 60.0) -> dict[str, Any] | None:
     """Start a fresh interpreter like this one (flags, environment, working directory) and report its start-up
-    (:func:`vllm_minicpm_hotfix.doctor_child.startup_facts`): ``sys.path``, the ``sitecustomize`` that ran, what it
+    (:func:`vllm_minicpm_hotfix.cli.doctor.child.startup_facts`): ``sys.path``, the ``sitecustomize`` that ran, what it
     chained to, and whether the hotfix's start-up module is armed and by which path. ~50 ms; None if it fails."""
     cmd = child_command("startup", json.dumps(child_names()))
     try:
@@ -373,10 +375,10 @@ def startup_facts(timeout: float = 60.0) -> dict[str, Any] | None:
 
 
 def run_child(timeout: float) -> dict[str, Any]:
-    """Run :func:`vllm_minicpm_hotfix.doctor_child.vllm_process` in a fresh interpreter: this one, with its
+    """Run :func:`vllm_minicpm_hotfix.cli.doctor.child.vllm_process` in a fresh interpreter: this one, with its
     interpreter flags and this environment. Returns its JSON object plus ``wall_seconds`` and ``returncode``; a child
     that dies or times out gives ``error`` (one line) and ``log_tail``."""
-    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    pkg_parent = str(PACKAGE_DIR.parent)
     fd, out_path = tempfile.mkstemp(prefix="vllm-minicpm-hotfix-doctor-", suffix=".json")
     os.close(fd)
     cmd = child_command("vllm", json.dumps(child_names()), out_path, pkg_parent)

@@ -31,11 +31,11 @@ Exit status: 0 every tensor matches; 1 a tensor differs, vLLM's own load raised 
 unusable here; 2 bad input (not a 4.6 checkpoint, missing or truncated files, wrong shapes, hub id not cached while
 offline). No traceback unless ``--debug``.
 
-Where it lives: what it gathers in :mod:`vllm_minicpm_hotfix.verify_checkpoint` (the checkpoint) and
-:mod:`vllm_minicpm_hotfix.verify_vllm` (vLLM, the model, the load), what it concludes in
-:mod:`vllm_minicpm_hotfix.verify_judge` (:func:`~vllm_minicpm_hotfix.verify_judge.compare` and
-:func:`~vllm_minicpm_hotfix.verify_judge.verdict`), how it prints in :mod:`vllm_minicpm_hotfix.verify_render`; this
-module runs them in order (:func:`main`) and keeps their public names.
+Where it lives: what it gathers in :mod:`vllm_minicpm_hotfix.cli.verify.checkpoint` (the checkpoint) and
+:mod:`vllm_minicpm_hotfix.cli.verify.build` (vLLM, the model, the load), what it concludes in
+:mod:`vllm_minicpm_hotfix.cli.verify.judge` (:func:`~vllm_minicpm_hotfix.cli.verify.judge.compare` and
+:func:`~vllm_minicpm_hotfix.cli.verify.judge.verdict`), how it prints in
+:mod:`vllm_minicpm_hotfix.cli.verify.render`; this module runs them in order (:func:`main`) and keeps their public names.
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ import os
 import sys
 import time
 
-from . import quant_layout
-from . import verify_render as render
-from ._cliutil import exc_line, one_line, peak_rss_mib, print_verdict, progress
-from .verify_checkpoint import BadInput, inspect_checkpoint, read_reference, resolve_model, stream_checkpoint
-from .verify_judge import _compare, compare, verdict  # noqa: F401 - _compare re-exported (tests/test_cli.py)
-from .verify_vllm import (
+from ... import quant_layout
+from .. import quant_report
+from . import render
+from .._util import exc_line, one_line, peak_rss_mib, print_verdict, progress
+from .checkpoint import BadInput, inspect_checkpoint, read_reference, resolve_model, stream_checkpoint
+from .judge import _compare, compare, verdict  # noqa: F401 - _compare re-exported (tests/test_cli.py)
+from .build import (
     VerifyFailed,
     build_model,
     hotfix_state,
@@ -137,7 +138,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
         if not torch.cuda.is_available():
             raise VerifyFailed("--device cuda: torch sees no CUDA device here")
     if quant_layout.quant_method(ckpt.path) is not None:  # a quantized checkpoint: its vision layers, stored vs built
-        for i, text in enumerate(quant_layout.report_lines(quant_layout.report(ckpt.path))[1]):
+        for i, text in enumerate(quant_report.report_lines(quant_report.report(ckpt.path))[1]):
             render.quantized(text, first=i == 0)
     reference = read_reference(ckpt)
 

@@ -1,12 +1,12 @@
 """The program ``doctor`` runs in fresh interpreters of the environment it examines.
 
-``doctor`` starts this file **by path** (``python [its interpreter flags] .../doctor_child.py MODE NAMES ...``), never
-as ``python -m vllm_minicpm_hotfix...``: a ``-m`` run would import the package's ``__init__`` before anything else,
+``doctor`` starts this file **by path** (``python [its interpreter flags] .../cli/doctor/child.py MODE NAMES ...``),
+never as ``python -m vllm_minicpm_hotfix...``: a ``-m`` run would import the package's ``__init__`` before anything else,
 and the point of the child is to see whether the *environment's own* activation paths -- the ``.pth`` file,
 ``sitecustomize.py``, vLLM's ``vllm.general_plugins`` entry point -- armed and installed the hotfix. So until vLLM and
 the model module are imported this file uses nothing but ``sys``, ``os``, ``json`` and ``time``; the names it looks
 for (the package, the model module, the start-up module's finder flag, the sitecustomize marker) come in ``NAMES``, a
-JSON object written by :func:`vllm_minicpm_hotfix.doctor_facts.child_names` from the modules that define them.
+JSON object written by :func:`vllm_minicpm_hotfix.cli.doctor.facts.child_names` from the modules that define them.
 
 Modes:
 
@@ -225,7 +225,7 @@ def main(argv):
         with open(out_path, "w") as f:
             json.dump(res, f, default=str)
         return 0
-    print("usage: doctor_child.py startup NAMES | vllm NAMES OUT_FILE PACKAGE_PARENT", file=sys.stderr)
+    print("usage: child.py startup NAMES | vllm NAMES OUT_FILE PACKAGE_PARENT", file=sys.stderr)
     return 2
 
 

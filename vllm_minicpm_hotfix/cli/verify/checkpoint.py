@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ._cliutil import exc_line, one_line
-from .fixes.qkv_loader import MODEL_CLASS, SHARD_IDS
+from .._util import exc_line, one_line
+from ... import quant_layout
+from ...fixes.qkv_loader import MODEL_CLASS, SHARD_IDS
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "data" / "tiny-minicpm-v46"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-minicpm-v46"
 MODEL_TYPE = "minicpmv4_6"
 ARCHITECTURE = MODEL_CLASS
 #: Where checkpoints keep the window-merger attention (transformers >= 5.7 layout first, the older flat one second;
@@ -81,10 +82,6 @@ class Checkpoint:
         return [self.attn(p, s) for p in (*QKV, "out_proj") for s in SUFFIXES]
 
 
-def _natural_key(path: Path) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # safetensors, and its errors as one line
 # --------------------------------------------------------------------------------------------------------------------
@@ -95,7 +92,7 @@ def unreadable(path: Path, exc: BaseException, what: str = "") -> BadInput:
     what went wrong in safetensors' words, e.g. ``.../model-00003-of-00003.safetensors (1.2 GiB): truncated or
     corrupt safetensors file -- the header does not match the file's size (incomplete metadata, file not fully
     covered)``. ``what`` names the tensor being read, if any."""
-    from ._cliutil import fmt_bytes
+    from .._util import fmt_bytes
 
     try:
         size = f" ({fmt_bytes(path.stat().st_size)})"
@@ -115,12 +112,16 @@ def unreadable(path: Path, exc: BaseException, what: str = "") -> BadInput:
     return BadInput(f"{where}: {kind} ({one_line(detail, 300)}); download it again")
 
 
+def _no_safetensors(path: Path) -> BadInput:
+    return BadInput(f"{path}: the safetensors package is not installed for {sys.executable} (every vLLM installs "
+                    f"it: is this the Python that runs vLLM?)")
+
+
 def _safe_open(path: Path, framework: str) -> Any:
     try:
         from safetensors import safe_open
     except ImportError as exc:
-        raise BadInput(f"{path}: the safetensors package is not installed for {sys.executable} (every vLLM installs "
-                       f"it: is this the Python that runs vLLM?)") from exc
+        raise _no_safetensors(path) from exc
     try:
         return safe_open(str(path), framework=framework, device="cpu")
     except BaseException as exc:
@@ -130,25 +131,29 @@ def _safe_open(path: Path, framework: str) -> Any:
 
 
 def read_header(path: Path) -> dict[str, TensorMeta]:
-    """The tensors one safetensors file declares (``safe_open`` with ``framework="numpy"``: no torch), in the order
-    ``safe_open(...).keys()`` gives them (sorted by name).
+    """The tensors one safetensors file declares (:func:`vllm_minicpm_hotfix.quant_layout.read_header`:
+    ``safe_open`` with ``framework="numpy"``, no torch), in the order ``safe_open(...).keys()`` gives them (sorted by
+    name).
 
     Raises:
-        BadInput: the file is truncated, corrupt or unreadable (one line naming it).
+        BadInput: the file is truncated, corrupt or unreadable (one line naming it), or safetensors is missing.
     """
     out: dict[str, TensorMeta] = {}
-    with _safe_open(path, "numpy") as f:
-        for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-            try:
-                piece = f.get_slice(name)
-                st_dtype, shape = piece.get_dtype(), tuple(int(x) for x in piece.get_shape())
-            except Exception as exc:  # whatever safetensors raises: one line naming the file
-                raise unreadable(path, exc, name) from exc
-            dtype, bits = _DTYPES.get(st_dtype, (st_dtype.lower(), 0))
+    try:
+        for name, info in quant_layout.read_header(path):
+            dtype, bits = _DTYPES.get(info.dtype, (info.dtype.lower(), 0))
             count = 1
-            for d in shape:
+            for d in info.shape:
                 count *= d
-            out[name] = TensorMeta(path, dtype, shape, (count * bits + 7) // 8)
+            out[name] = TensorMeta(path, dtype, info.shape, (count * bits + 7) // 8)
+    except quant_layout.TensorHeaderError as exc:  # one tensor's entry: name it
+        raise unreadable(path, exc.__cause__, exc.tensor) from exc.__cause__
+    except ImportError as exc:
+        raise _no_safetensors(path) from exc
+    except BaseException as exc:  # whatever safetensors raises on open (a Rust panic is a BaseException)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise unreadable(path, exc) from exc
     return out
 
 
@@ -206,27 +211,16 @@ def _read_json(path: Path) -> dict:
 
 
 def weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """``(safetensors files in load order, the index's weight_map or None)``.
+    """``(safetensors files in load order, the index's weight_map or None)``
+    (:func:`vllm_minicpm_hotfix.quant_layout.weight_files`).
 
     Raises:
         BadInput: no weights, an unreadable index, or a shard it lists that is missing.
     """
-    index_file = path / "model.safetensors.index.json"
-    if not index_file.is_file():
-        files = sorted(path.glob("*.safetensors"), key=_natural_key)
-        if not files:
-            other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-            extra = f" (found {', '.join(other[:3])}: verify reads safetensors only)" if other else ""
-            raise BadInput(f"{path}: no *.safetensors weights{extra}")
-        return files, None
-    weight_map = _read_json(index_file).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise BadInput(f"{index_file}: unreadable (no weight_map)")
-    files = sorted({path / name for name in weight_map.values()}, key=_natural_key)
-    for f in files:
-        if not f.is_file():
-            raise BadInput(f"{path}: shard {f.name} listed in {index_file.name} is missing")
-    return files, weight_map
+    try:
+        return quant_layout.weight_files(path)
+    except quant_layout.LayoutError as exc:
+        raise BadInput(str(exc)) from exc
 
 
 def inspect_checkpoint(path: Path, source: str) -> Checkpoint:

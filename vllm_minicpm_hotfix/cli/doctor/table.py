@@ -1,7 +1,7 @@
 """How ``doctor`` prints a report: :func:`rows` (the table: one row per fact, with OK / WARN / FAIL / -) and
 :func:`render` (the table and the verdict line, rich on a terminal, plain text otherwise).
 
-Only formatting: every decision is in :mod:`vllm_minicpm_hotfix.doctor_judge`.
+Only formatting: every decision is in :mod:`vllm_minicpm_hotfix.cli.doctor.verdict`.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import plugin
-from ._bootstrap import PTH_NAME, START_NAME
-from ._cliutil import one_line, print_table, print_verdict
-from .bundle import PACKAGE
-from .doctor_judge import hook_active
-from .hook import TARGET_MODULE
+from ... import plugin
+from ..._bootstrap import PTH_NAME, START_NAME
+from .._util import one_line, print_table, print_verdict
+from ...bundle import PACKAGE
+from .verdict import hook_active
+from ...hook import TARGET_MODULE
 
 Row = tuple[str, str, str]  #: (check, status, detail)
 

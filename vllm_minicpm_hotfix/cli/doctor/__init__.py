@@ -9,7 +9,7 @@ Two parts:
   PEP 829 ``.start`` file (which of the two this Python runs; a ``.pth`` on ``PYTHONPATH``, which no Python runs), a
   ``sitecustomize.py`` (ours or another) on ``sys.path`` / ``PYTHONPATH`` and what ours chains to, a bundle folder --
   and the wrapt the hook would use.
-* **A fresh vLLM process** with this environment -- the program :mod:`vllm_minicpm_hotfix.doctor_child`, run by
+* **A fresh vLLM process** with this environment -- the program :mod:`vllm_minicpm_hotfix.cli.doctor.child`, run by
   path -- started the way vLLM starts EngineCore (same interpreter and interpreter flags, same environment
   variables, the script directory not on ``sys.path``). In it nothing activates the hotfix but the environment's own
   activation paths: the child imports ``vllm``, calls ``vllm.plugins.load_general_plugins()`` as vLLM's processes
@@ -17,13 +17,13 @@ Two parts:
   (``vllm_minicpm_hotfix.status()``). It also re-runs every registered fix's probe on the classes as they now stand
   (patched or not).
 
-Where it lives: what it gathers in :mod:`vllm_minicpm_hotfix.doctor_facts`, what it concludes in
-:func:`vllm_minicpm_hotfix.doctor_judge.judge` (the whole verdict in one function), how it prints in
-:mod:`vllm_minicpm_hotfix.doctor_render`; this module runs the three (:func:`collect`) and keeps their public names.
+Where it lives: what it gathers in :mod:`vllm_minicpm_hotfix.cli.doctor.facts`, what it concludes in
+:func:`vllm_minicpm_hotfix.cli.doctor.verdict.judge` (the whole verdict in one function), how it prints in
+:mod:`vllm_minicpm_hotfix.cli.doctor.table`; this module runs the three (:func:`collect`) and keeps their public names.
 
 Exit status 0 when every fix is either not needed (vLLM correct upstream) or applied in that process, 1 otherwise; the
 verdict line says why and what to do, and the last line whether the package is still needed here (from the recorded
-run shipped with it, :mod:`vllm_minicpm_hotfix.releases`). ``--json`` prints the same facts as one JSON object.
+run shipped with it, :mod:`vllm_minicpm_hotfix.cli.releases`). ``--json`` prints the same facts as one JSON object.
 """
 
 from __future__ import annotations
@@ -33,29 +33,28 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-from ._cliutil import exc_line
-from .doctor_facts import (
+from .._util import exc_line
+from .facts import (
+    PACKAGE_DIR,
     activation_facts,
     mode_facts,
     python_facts,
     run_child,
-    startup_facts,  # noqa: F401 - re-exported: doctor.startup_facts
     vllm_facts,
     wrapt_facts,
     wrapt_used,
 )
-from .doctor_judge import assess_fixes, judge, removal
-from .doctor_render import render, rows
+from .table import render, rows
+from .verdict import assess_fixes, judge, removal
 
 
 def collect(timeout: float = 600.0) -> dict[str, Any]:
-    """Gather every fact (:mod:`.doctor_facts`; the fresh vLLM process only where vLLM is installed), judge them
-    (:mod:`.doctor_judge`) and lay out the table (:mod:`.doctor_render`). Returns the report ``--json`` prints:
+    """Gather every fact (:mod:`.facts`; the fresh vLLM process only where vLLM is installed), judge them
+    (:mod:`.verdict`) and lay out the table (:mod:`.table`). Returns the report ``--json`` prints:
     ``python``, ``vllm``, ``mode``, ``activation``, ``wrapt``, ``child``, ``fixes``, ``ok``, ``summary``, ``removal``
-    (the closing sentence and its facts, :func:`vllm_minicpm_hotfix.doctor_judge.removal`; None without fixes),
+    (the closing sentence and its facts, :func:`vllm_minicpm_hotfix.cli.doctor.verdict.removal`; None without fixes),
     ``checks``.
     """
     activation = activation_facts()
@@ -82,18 +81,18 @@ def collect(timeout: float = 600.0) -> dict[str, Any]:
 
 
 def _add_quant_report(report: dict[str, Any], model: str, timeout: float) -> None:
-    """``python -m vllm_minicpm_hotfix.quant_layout DIR`` in a fresh vLLM process of this environment: one check row
+    """``python -m vllm_minicpm_hotfix.cli.quant_report DIR`` in a fresh vLLM process of this environment: one check row
     for the checkpoint's vision quantization (FAIL when the vLLM started here would build it differently)."""
-    from . import quant_layout
+    from .. import quant_report
 
-    proc = subprocess.run([sys.executable, "-m", "vllm_minicpm_hotfix.quant_layout", model], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "vllm_minicpm_hotfix.cli.quant_report", model], capture_output=True,
                           text=True, timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL, check=False,
-                          cwd=str(Path(__file__).resolve().parent.parent))  # fmt: skip
+                          cwd=str(PACKAGE_DIR.parent))  # fmt: skip
     try:
         rep = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
         rep = {"quant_method": "?", "error": (proc.stderr or proc.stdout).strip()[-400:]}
-    agrees, text = quant_layout.report_lines(rep)
+    agrees, text = quant_report.report_lines(rep)
     report["quantized_checkpoint"] = rep
     report["checks"].append({"check": "quantized checkpoint", "status": "OK" if agrees else "FAIL",
                              "detail": "\n".join(text)})
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a quantized checkpoint folder: report how it stores its vision layers and how vLLM builds them")
     args = p.parse_args(argv)
     if args.ray:
-        from .doctor_ray import run as run_ray
+        from .ray import run as run_ray
 
         return run_ray(args.ray_address, args.ray_runtime_env, args.json, min(args.timeout, 120.0))
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 #: The packaged facts (``load()``).
-DATA = Path(__file__).resolve().parent / "data" / "releases.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "releases.json"
 
 NOTHING_NEEDED = "nothing to fix on this vLLM: the package can be removed"
 NONE_FIXES_ALL = "needed, and no measured release fixes all of them"

@@ -1,10 +1,10 @@
-"""What ``doctor`` concludes from the facts :mod:`vllm_minicpm_hotfix.doctor_facts` gathered.
+"""What ``doctor`` concludes from the facts :mod:`vllm_minicpm_hotfix.cli.doctor.facts` gathered.
 
 * :func:`assess_fixes` -- per registered fix, from the fresh vLLM process: the verdict on vLLM as shipped, the verdict
   now (the fix's probe re-run after the hook), whether the hook applied it.
 * :func:`judge` -- the verdict: ``(ok, one line saying why and what to do)``. All of doctor's decision is in it.
 * :func:`removal` -- the sentence doctor ends with: is the package still needed here, and which measured release
-  needs none of the fixes this vLLM needs (:mod:`vllm_minicpm_hotfix.releases`, from the packaged recorded run).
+  needs none of the fixes this vLLM needs (:mod:`vllm_minicpm_hotfix.cli.releases`, from the packaged recorded run).
 
 Nothing here starts a process or reads the environment: both take the report dict and return plain values, so the
 judgement can be tested on hand-made reports.
@@ -15,8 +15,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import plugin, releases
-from .hook import TARGET_MODULE
+from ... import plugin
+from .. import releases
+from ...hook import TARGET_MODULE
 
 #: Where to point a user whose vLLM the hotfix does not know.
 _KNOWN_RELEASES = "0.22-0.33"
@@ -75,7 +76,7 @@ def _assess_models(probe: dict[str, Any], rec: dict[str, Any]) -> dict[str, dict
 
 
 def removal(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The last sentence of doctor and ``removal`` of ``--json`` (:func:`vllm_minicpm_hotfix.releases.removal`):
+    """The last sentence of doctor and ``removal`` of ``--json`` (:func:`vllm_minicpm_hotfix.cli.releases.removal`):
     from the fixes stock vLLM here is not correct for. None when doctor could not read the fixes (no vLLM, no 4.6
     model module, a failed vLLM process)."""
     fixes = report.get("fixes") or {}

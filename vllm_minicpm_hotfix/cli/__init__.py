@@ -2,7 +2,8 @@
 
 Each command lives in its own module and is imported only when run, so ``--help`` stays instant:
 
-* ``bundle DIR``  -- write a self-contained folder for PYTHONPATH injection into an existing container (:mod:`.bundle`)
+* ``bundle DIR``  -- write a self-contained folder for PYTHONPATH injection into an existing container
+  (:mod:`vllm_minicpm_hotfix.bundle`)
 * ``doctor``      -- will the fix be active inside vLLM's processes here? (:mod:`.doctor`)
 * ``verify``      -- does this checkpoint load bit-exact through this vLLM? (:mod:`.verify`)
 """
@@ -15,14 +16,15 @@ import sys
 
 COMMANDS = {
     "bundle": ("vllm_minicpm_hotfix.bundle", "write a self-contained folder to mount and name in PYTHONPATH"),
-    "doctor": ("vllm_minicpm_hotfix.doctor", "check that the hotfix will be active in vLLM's processes here"),
-    "verify": ("vllm_minicpm_hotfix.verify", "load a checkpoint through this vLLM and compare vit_merger bit for bit"),
+    "doctor": ("vllm_minicpm_hotfix.cli.doctor", "check that the hotfix will be active in vLLM's processes here"),
+    "verify": ("vllm_minicpm_hotfix.cli.verify",
+               "load a checkpoint through this vLLM and compare vit_merger bit for bit"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-minicpm-hotfix", description=__doc__.split("\n\n")[0])
-    from . import __version__
+    from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"vllm-minicpm-hotfix {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

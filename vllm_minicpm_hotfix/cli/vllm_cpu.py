@@ -4,13 +4,16 @@ The recipe is the measured one in shared/notes/vllm-on-cpu.md ("How the model wa
 ``model.load_weights(iter over (name, tensor))`` call vLLM's DefaultModelLoader makes.  The API used here is the same
 in every vLLM release 0.26.0-0.33.0.
 
-    from vllm_minicpm_hotfix.vllm_cpu import build_vllm_model, checkpoint_tensors
+    from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, checkpoint_tensors
     model = build_vllm_model(ckpt_dir)                                  # raises what load_weights raises
     ckpt = checkpoint_tensors(ckpt_dir)
     assert torch.equal(model.vit_merger.self_attn.qkv_proj.weight, torch.cat([ckpt[q], ckpt[k], ckpt[v]]))
 
 Importing this module does not import vLLM (``import vllm`` takes ~30 s); the functions do.  Set
 ``VLLM_TARGET_DEVICE=cpu`` before calling them (done here with ``setdefault`` if unset).
+
+The file imports nothing of the package: tests/ray_driver.py runs its source in Ray actors of nodes that have no
+hotfix installed, so it lists and reads the checkpoint's files itself.
 """
 
 from __future__ import annotations
@@ -41,12 +44,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_distributed() -> None:
-    """Initialise vLLM's (single-rank, gloo) distributed environment once per process, on a free port."""
+def ensure_distributed(backend: str = "gloo") -> None:
+    """Initialise vLLM's single-rank distributed environment once per process, on a free port of 127.0.0.1
+    (``vllm.distributed.parallel_state.init_distributed_environment``, world size 1, rank 0). ``backend`` is
+    ``torch.distributed``'s: ``"gloo"`` on CPU, ``"nccl"`` on a GPU. Nothing to do if ``torch.distributed`` is
+    already initialised (by an earlier call, or by the caller)."""
     global _distributed_ready
     if _distributed_ready:
         return
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if backend == "gloo":
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import torch.distributed as dist
     from vllm.distributed.parallel_state import init_distributed_environment
 
@@ -56,7 +63,7 @@ def ensure_distributed() -> None:
             rank=0,
             distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
             local_rank=0,
-            backend="gloo",
+            backend=backend,
         )
     _distributed_ready = True
 
@@ -104,20 +111,26 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def make_vllm_config(checkpoint_dir: str | os.PathLike, dtype: str = "float32"):
+def make_vllm_config(checkpoint_dir: str | os.PathLike, dtype: str = "float32", **model_kwargs):
+    """vLLM's ``VllmConfig`` for ``checkpoint_dir`` on CPU: ``ModelConfig(model=..., dtype=dtype,
+    skip_tokenizer_init=True, enforce_eager=True, **model_kwargs)`` (``model_kwargs`` override those defaults)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 
-    model_config = ModelConfig(model=str(checkpoint_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
+    kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, **model_kwargs}
+    model_config = ModelConfig(model=str(checkpoint_dir), dtype=dtype, **kwargs)
     return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
 
 
-def build_vllm_model(checkpoint_dir: str | os.PathLike, dtype: str = "float32", *, load: bool = True, model_cls=None):
+def build_vllm_model(checkpoint_dir: str | os.PathLike, dtype: str = "float32", *, load: bool = True, model_cls=None,
+                     **model_kwargs):
     """Construct vLLM's ``MiniCPMV4_6ForConditionalGeneration`` for ``checkpoint_dir`` on CPU and (by default) load
     the checkpoint with ``model.load_weights`` -- whatever that raises propagates.
 
     ``model_cls`` overrides the class (e.g. ``MiniCPMV4_7ForConditionalGeneration``); ``load=False`` returns the
-    freshly constructed model (load it later with :func:`load_checkpoint`).  The model is returned in eval mode.
+    freshly constructed model (load it later with :func:`load_checkpoint`); ``model_kwargs`` go to vLLM's
+    ``ModelConfig`` (:func:`make_vllm_config`).  The model is returned in eval mode, its ``VllmConfig`` as
+    ``model.vllm_config``.
     """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     ensure_distributed()
@@ -127,7 +140,7 @@ def build_vllm_model(checkpoint_dir: str | os.PathLike, dtype: str = "float32", 
     if model_cls is None:
         from vllm.model_executor.models.minicpmv4_6 import MiniCPMV4_6ForConditionalGeneration as model_cls
 
-    vllm_config = make_vllm_config(checkpoint_dir, dtype)
+    vllm_config = make_vllm_config(checkpoint_dir, dtype, **model_kwargs)
     torch_dtype = vllm_config.model_config.dtype
     if isinstance(torch_dtype, str):
         torch_dtype = _DTYPES[torch_dtype]

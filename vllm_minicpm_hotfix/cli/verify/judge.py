@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .fixes.qkv_loader import FUSED
-from .verify_checkpoint import QKV, SUFFIXES, Checkpoint
-from .verify_vllm import Built
+from ...fixes.qkv_loader import FUSED
+from .checkpoint import QKV, SUFFIXES, Checkpoint
+from .build import Built
 
 #: Where vLLM keeps the window-merger attention.
 PARAM_PREFIX = "vit_merger.self_attn."
