@@ -377,21 +377,14 @@ M46, M47 = "vllm.model_executor.models.minicpmv4_6", "vllm.model_executor.models
 
 
 def _member_import(*modules: str) -> tuple[dict, str]:
-    """tests/member_import_child.py in a fresh interpreter of this environment: (its JSON, its log)."""
-    import json
+    """tests/programs/member_import.py in a fresh interpreter of this environment: (its JSON, its log)."""
     import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from conftest import REPO
+    from support.programs import run_reporting
 
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_MINICPM_HOTFIX", "PYTHONPATH")}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("member_import_child.py")), str(REPO),
-                           *modules], env={**env, "VLLM_TARGET_DEVICE": "cpu"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout + proc.stderr
+    return run_reporting("member_import", REPO, *modules, env={**env, "VLLM_TARGET_DEVICE": "cpu"}, timeout=300)
 
 
 @pytest.mark.placed("0.33.0")

@@ -39,11 +39,13 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import decision, quant_layout
-from ..quant_layout import LayerRow, ModuleStorage
+from .. import decision
 from . import _base, _deferred
+
+if TYPE_CHECKING:  # annotations only: the module is imported at first use (_layout)
+    from ..quant_layout import LayerRow, ModuleStorage
 
 NAME = "quantized_vision"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
@@ -97,6 +99,14 @@ def _rename(model_cls: type) -> Callable[[str], str | None]:
     return rename
 
 
+
+def _layout() -> ModuleType:
+    """:mod:`vllm_minicpm_hotfix.quant_layout`, imported at the first quantized construction (its dataclasses cost
+    the hook a few milliseconds in every process otherwise)."""
+    from .. import quant_layout
+
+    return quant_layout
+
 @dataclasses.dataclass
 class VisionPlan:
     """The checkpoint's vision storage, keyed by vLLM module name."""
@@ -126,7 +136,7 @@ class VisionPlan:
 
     def stored(self, layer: str) -> tuple[str, list[str]]:
         modules = self.checkpoint_modules(layer)
-        return quant_layout.stored_kind(modules, self.storage), modules
+        return _layout().stored_kind(modules, self.storage), modules
 
     def describe(self, modules: list[str]) -> str:
         return "; ".join(f"{m}: {self.storage[m].describe()}" for m in modules if m in self.storage)
@@ -136,13 +146,13 @@ def _resolve_folder(model: str, revision: str | None) -> tuple[str, dict] | None
     """``(description, {tensor: TensorInfo})`` for a local folder, a hub id in the huggingface_hub cache, or a hub id
     whose safetensors headers the hub serves (``huggingface_hub.get_safetensors_metadata``); None if none works."""
     if os.path.isdir(model):
-        return model, quant_layout.read_tensor_info(model)
+        return model, _layout().read_tensor_info(model)
     try:
         from huggingface_hub import snapshot_download
 
         local = snapshot_download(model, revision=revision, allow_patterns=["*.safetensors", "*.json"],
                                   local_files_only=True)  # fmt: skip
-        return local, quant_layout.read_tensor_info(local)
+        return local, _layout().read_tensor_info(local)
     except Exception:  # noqa: BLE001 - not cached: ask the hub for the headers
         pass
     try:
@@ -150,7 +160,7 @@ def _resolve_folder(model: str, revision: str | None) -> tuple[str, dict] | None
 
         meta = get_safetensors_metadata(model, revision=revision)
         tensors = {
-            name: quant_layout.TensorInfo(str(info.dtype), tuple(info.shape))
+            name: _layout().TensorInfo(str(info.dtype), tuple(info.shape))
             for fmeta in meta.files_metadata.values()
             for name, info in fmeta.tensors.items()
         }
@@ -172,7 +182,7 @@ def plan_for(model_config: Any, model_cls: type) -> VisionPlan | None:
                     "quantization from the config alone", LABEL, model)  # fmt: skip
         return None
     source, tensors = found
-    storage = {m: s for m, s in quant_layout.module_storage(tensors).items() if quant_layout.is_vision(m)}
+    storage = {m: s for m, s in _layout().module_storage(tensors).items() if _layout().is_vision(m)}
     return VisionPlan.build(storage, model_cls, source)
 
 
@@ -211,7 +221,7 @@ def decide(plan: VisionPlan, quant_config: Any, layer: Any, prefix: str, origina
                 f"{rel}: the checkpoint stores it quantized ({plan.describe(modules)}) but vLLM's "
                 f"{type(quant_config).__name__} would build it unquantized; this layout cannot be loaded"
             )
-    plan.rows.append(LayerRow(rel, kind, tuple(modules), type(method).__name__))
+    plan.rows.append(_layout().LayerRow(rel, kind, tuple(modules), type(method).__name__))
     return method
 
 
@@ -352,7 +362,7 @@ def probe(module: ModuleType) -> decision.Verdict:
         if _base.acts_for(sys.modules[__name__], model_cls, "__init__") and not any(
                 _deferred.is_trigger(vars(c).get("__init__")) for c in model_cls.__mro__):
             storage = {
-                "model.vision_tower.encoder.layers.0.mlp.fc1": ModuleStorage(
+                "model.vision_tower.encoder.layers.0.mlp.fc1": _layout().ModuleStorage(
                     "model.vision_tower.encoder.layers.0.mlp.fc1", False, ("bias", "weight"), ("BF16", "BF16"),
                     ((128,), (128, 64)))
             }  # fmt: skip

@@ -1,7 +1,7 @@
 """One fresh vLLM process that imports the family's model modules in a given order with the hook installed, as
 ``vllm serve`` does for the model it serves; prints one JSON object (last line).
 
-    python member_import_child.py REPO MODULE [MODULE ...]
+    python tests/programs/member_import.py REPO MODULE [MODULE ...]
 
 ``MODULE``: ``vllm.model_executor.models.minicpmv4_6`` / ``...minicpmv4_7``, imported in that order after
 ``vllm_minicpm_hotfix.install()``. Prints ``models`` (``status()["models"]``), ``rows`` (fix NAME -> member ->
