@@ -20,14 +20,21 @@ checkpoint and a peft adapter of the vision tower's attention and MLP layers:
 
 What the fix does
 -----------------
+* ``OpenAIServingModels.load_lora_adapter`` (``vllm/entrypoints/openai/models/serving.py``, the API server's load of
+  a ``--lora-modules`` adapter at start-up and of ``POST /v1/load_lora_adapter``): before vLLM sends the adapter to
+  the engine, an adapter folder whose ``adapter_model.safetensors`` names modules under the tower/connector prefixes
+  (vLLM's ``parse_fine_tuned_lora_name`` with the class's ``hf_to_vllm_mapper``) of a MiniCPM-V class that cannot take
+  tower LoRA gets vLLM's own ``ErrorResponse`` (HTTP 400 ``BadRequestError``) with the text below; vLLM's
+  ``init_static_loras`` turns it into a start-up ``ValueError``. An adapter it cannot read goes to vLLM unchanged.
 * ``WorkerLoRAManager._load_adapter`` (``vllm/lora/worker_manager.py``; the worker's load of a ``--lora-modules``
   adapter at start-up, of ``POST /v1/load_lora_adapter``, and of an ``LLM.generate(lora_request=...)``): after
   vLLM's own load, for a MiniCPM-V model (:func:`~vllm_minicpm_hotfix.fixes._base.covers`) whose LoRA manager has no
   punica wrapper for a tower/connector prefix, an adapter with weights for modules under that prefix raises
   :class:`TowerLoRAError` naming the adapter, the modules (count and the first few), the model and what is allowed.
-  Where the manager does wrap the tower (a vLLM that serves tower LoRA for the model), nothing is refused. The wrapper
-  is set when vLLM imports ``vllm.lora.worker_manager`` (a ``wrapt`` post-import hook; only processes that run LoRA
-  import it), so the hook imports no LoRA code.
+  Where the manager does wrap the tower (a vLLM that serves tower LoRA for the model), nothing is refused. This is
+  the error an ``LLM(...)`` user sees, and a request that reaches the engine some other way (a resolver plugin).
+  Both wrappers are set when vLLM imports their modules (``wrapt`` post-import hooks; only processes that serve or
+  run LoRA import them), so the hook imports no LoRA or API-server code.
 * ``MiniCPMV4_6ForConditionalGeneration.get_num_mm_encoder_tokens`` and ``get_mm_lora_token_counts`` (where the
   class has them): where vLLM's own answer is no count (the stub's None, or its ``NotImplementedError`` on 0.32+),
   :class:`TowerLoRAError` saying that ``--enable-tower-connector-lora`` cannot run for the model,
@@ -66,12 +73,19 @@ MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 BUDGET = "get_num_mm_encoder_tokens"
 WORKER_MODULE = "vllm.lora.worker_manager"
 LOAD = "WorkerLoRAManager._load_adapter"
+SERVING_MODULE = "vllm.entrypoints.openai.models.serving"
+API_LOAD = "OpenAIServingModels.load_lora_adapter"
 COUNTS = "get_mm_lora_token_counts"
-#: The model's budget methods (each wrapped where the class has it) and the worker's adapter load.
-SETS = (f"{MODEL_CLASS}.{BUDGET}", f"{MODEL_CLASS}.{COUNTS}", f"{WORKER_MODULE}:{LOAD}")
+#: The model's budget methods (each wrapped where the class has it), the worker's adapter load and the API
+#: server's (the last two set when vLLM imports their modules).
+SETS = (f"{MODEL_CLASS}.{BUDGET}", f"{MODEL_CLASS}.{COUNTS}", f"{WORKER_MODULE}:{LOAD}", f"{SERVING_MODULE}:{API_LOAD}")
+#: safetensors file of a peft adapter folder.
+ADAPTER_FILE = "adapter_model.safetensors"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 #: Image tokens the probe asks the budget for.
 PROBE_TOKENS = 64
+#: How the probe's reason begins where the guard (a ValueError) answers.
+REFUSED = "tower/connector LoRA is refused"
 #: Module names quoted in the error.
 SHOWN = 4
 
@@ -113,8 +127,8 @@ def refusal(model: Any, lora_name: str, lora_path: str, modules: list[str]) -> s
     shown = ", ".join(modules[:SHOWN]) + (", ..." if len(modules) > SHOWN else "")
     return (f"LoRA adapter {lora_name!r} ({lora_path}) has weights for {len(modules)} module(s) of the {member} vision "
             f"tower / connector ({shown}); this vLLM's LoRA applies to the language model of {member} only (its LoRA "
-            f"manager wraps no vision tower or connector layer of {type(model).__name__}), so they would be silently "
-            f"ignored. Drop those target modules (train the adapter on language_model layers only).")
+            f"manager wraps no vision tower or connector layer of {type(model).__name__}), so they would not be "
+            f"applied. Drop those target modules (train the adapter on language_model layers only).")
 
 
 def wrap_load(original: Callable) -> Callable:
@@ -163,18 +177,75 @@ def wrap_budget(original: Callable) -> Callable:
     return budget
 
 
-def _on_worker_import(module: ModuleType) -> None:
-    """Set the ``_load_adapter`` wrapper when vLLM imports ``vllm.lora.worker_manager`` (at once if it already has),
-    if this fix is still applied. Never raises."""
+def tower_lora_possible(cls: type) -> bool:
+    """Whether vLLM's LoRA manager can wrap the vision tower of ``cls``: its budget method gives a positive count for
+    a stand-in instance and it does not declare ``supports_tower_connector_lora`` false (as :func:`probe` judges)."""
+    verdict = probe_class(cls)
+    return verdict.state is State.CORRECT and not verdict.reason.startswith(REFUSED)
+
+
+def api_refusal(serving: Any, request: Any) -> str | None:
+    """In the API server, before vLLM sends an adapter to the engine: the refusal text if the served model is a
+    covered MiniCPM-V class that cannot take tower LoRA and the adapter folder's safetensors names modules under its
+    tower / connector prefixes (vLLM's own ``parse_fine_tuned_lora_name`` with the class's ``hf_to_vllm_mapper``);
+    None (vLLM's own code) otherwise, or when anything cannot be read. Never raises."""
     try:
-        owner = getattr(module, LOAD.split(".")[0], None)
-        attr = LOAD.split(".")[1]
-        if not _base.has_set(NAME) or owner is None or _base.patched_by(owner, attr) == NAME:
-            return
-        _base.set_attributes(NAME, [(owner, attr, wrap_load)])
-    except Exception as exc:  # noqa: BLE001 - a failure here must not break vLLM's import
-        log.warning("vllm-minicpm-hotfix: %s: could not wrap %s.%s (%s); vLLM's own adapter loading is used",
-                    NAME, WORKER_MODULE, LOAD, exc, exc_info=True)
+        import os
+
+        config = getattr(getattr(serving, "engine_client", None), "model_config", None) or getattr(
+            getattr(serving, "registry", None), "model_config", None)
+        archs = list(getattr(getattr(config, "hf_config", None), "architectures", None) or [])
+        cls = next((getattr(sys.modules[m], a) for m in _base.FAMILY for a in archs
+                    if m in sys.modules and isinstance(getattr(sys.modules[m], a, None), type)), None)
+        path = str(getattr(request, "lora_path", "") or "")
+        if cls is None or not _base.covers(sys.modules[__name__], cls) or not os.path.isfile(
+                os.path.join(path, ADAPTER_FILE)) or tower_lora_possible(cls):
+            return None
+        from safetensors import safe_open
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        mapper = getattr(cls, "hf_to_vllm_mapper", None)
+        if mapper is not None and hasattr(mapper, "get_unstacked_mapper"):
+            mapper = mapper.get_unstacked_mapper()
+        with safe_open(os.path.join(path, ADAPTER_FILE), framework="pt") as f:
+            keys = list(f.keys())
+        stand_in = object.__new__(cls)
+        prefixes = _prefixes(stand_in)
+        modules = sorted({parse_fine_tuned_lora_name(k, mapper)[0] for k in keys})
+        bad = [n for n in modules if any(n == p or n.startswith(p + ".") for p in prefixes)]
+        return refusal(stand_in, getattr(request, "lora_name", "?"), path, bad) if bad else None
+    except Exception as exc:  # noqa: BLE001 - vLLM's own load then (the worker's guard still refuses)
+        log.info("vllm-minicpm-hotfix: %s: adapter not checked in the API server (%s)", NAME, exc)
+        return None
+
+
+def wrap_api_load(original: Callable) -> Callable:
+    @functools.wraps(original)
+    async def load_lora_adapter(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        text = api_refusal(self, request)
+        if text is None:
+            return await original(self, request, *args, **kwargs)
+        log.warning("vllm-minicpm-hotfix: %s", text)
+        return sys.modules[type(self).__module__].create_error_response(text)  # vLLM's 400 BadRequestError
+
+    return load_lora_adapter
+
+
+def _on_import(target: str, make: Callable) -> Callable[[ModuleType], None]:
+    def hook(module: ModuleType) -> None:
+        """Set ``make``'s wrapper on ``target`` when vLLM imports its module (at once if it already has), if this fix
+        is still applied. Never raises."""
+        try:
+            owner_name, attr = target.split(".")
+            owner = getattr(module, owner_name, None)
+            if not _base.has_set(NAME) or owner is None or _base.patched_by(owner, attr) == NAME:
+                return
+            _base.set_attributes(NAME, [(owner, attr, make)])
+        except Exception as exc:  # noqa: BLE001 - a failure here must not break vLLM's import
+            log.warning("vllm-minicpm-hotfix: %s: could not wrap %s.%s (%s); vLLM's own code is used",
+                        NAME, module.__name__, target, exc, exc_info=True)
+
+    return hook
 
 
 def apply(module: ModuleType) -> None:
@@ -187,7 +258,8 @@ def apply(module: ModuleType) -> None:
     _base.set_attributes(NAME, [(cls, m, wrap_budget) for m in methods])
     import wrapt
 
-    wrapt.register_post_import_hook(_on_worker_import, WORKER_MODULE)
+    wrapt.register_post_import_hook(_on_import(LOAD, wrap_load), WORKER_MODULE)
+    wrapt.register_post_import_hook(_on_import(API_LOAD, wrap_api_load), SERVING_MODULE)
 
 
 def _positive(tokens: Any) -> bool:
@@ -200,6 +272,11 @@ def probe(module: ModuleType) -> Verdict:
     cls = getattr(module, MODEL_CLASS, None)
     if not isinstance(cls, type) or not callable(getattr(cls, "get_mm_mapping", None)):
         return Verdict(State.UNRECOGNISED, f"{module.__name__} has no {MODEL_CLASS}.get_mm_mapping", applicable=False)
+    return probe_class(cls)
+
+
+def probe_class(cls: type) -> Verdict:
+    """:func:`probe` on the model class ``cls``."""
     counts = getattr(cls, COUNTS, None)
     if not callable(counts) and not callable(getattr(cls, BUDGET, None)):
         return Verdict(State.UNRECOGNISED, f"{MODEL_CLASS} has neither get_mm_lora_token_counts nor {BUDGET}",
@@ -223,7 +300,7 @@ def probe(module: ModuleType) -> Verdict:
             except NotImplementedError:
                 tokens = None
     except ValueError as exc:
-        return Verdict(State.CORRECT, f"tower/connector LoRA is refused with a clear error ({exc})")
+        return Verdict(State.CORRECT, f"{REFUSED} with a clear error ({exc})")
     except Exception as exc:  # noqa: BLE001
         return Verdict(State.UNDETERMINED, f"{MODEL_CLASS}.{asked} failed: {type(exc).__name__}: {exc}")
     if not _positive(tokens):
