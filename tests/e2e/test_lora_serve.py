@@ -15,11 +15,11 @@ name on the same server gives other tokens: the adapter is what changed them.
 
 The same server runs with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: ``POST /v1/load_lora_adapter`` of a peft adapter
 of the vision tower (tests/lora_tower_adapter.py), which vLLM would load and silently ignore (tests/
-test_lora_tower_guard.py shows it with vLLM's own LoRA manager on every environment), is refused with
-``lora_tower_guard``'s error naming the adapter, the tower modules and the model, and the language-model adapter
-still answers with the reference's tokens afterwards. vLLM's API server turns every engine-side error of an adapter
-load into HTTP 500 (``OpenAIServingModels.load_lora_adapter``; its own ``expected target modules`` error too), so
-the status is not a 4xx yet (docs/lora.md, "Not done").
+test_lora_tower.py shows it with vLLM's own LoRA manager on every environment), is refused with
+HTTP 400 and ``lora_tower``'s error naming the adapter, the tower modules and the model, in the API server
+before the engine (vLLM's API server turns every engine-side error of an adapter load into HTTP 500: measured with
+only the worker's check in place), and the language-model adapter still answers with the reference's tokens
+afterwards.
 
 The adapter is written by peft (``LoraConfig`` + ``get_peft_model`` + ``save_pretrained``) for the language model's
 full-attention projections and MLPs, ``lora_B`` seeded nonzero; tests/lora_adapter.py says how the seed is chosen.
@@ -135,7 +135,7 @@ def test_tower_adapter_loaded_at_run_time_is_refused_and_the_lm_adapter_still_an
     status, reply = post(server, "/v1/load_lora_adapter", {"lora_name": "tower", "lora_path": str(tower)})
     message = json.dumps(reply)
     print(f"\nload_lora_adapter tower: HTTP {status}: {message[:1500]}")
-    assert status != 200, message
+    assert status == 400, message
     assert f"LoRA adapter 'tower' ({tower}) has weights for 12 module(s) of the MiniCPM-V 4.6 vision tower" in message
     assert "vpm.encoder.layers.0.mlp.fc1" in message and "language model of MiniCPM-V 4.6 only" in message
     assert healthy(server)

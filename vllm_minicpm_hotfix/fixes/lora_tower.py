@@ -67,7 +67,7 @@ from typing import Any
 from ..decision import State, Verdict
 from . import _base
 
-NAME = "lora_tower_guard"
+NAME = "lora_tower"
 LABEL = "LoRA adapters of the vision tower / connector refused clearly (--lora-modules, load_lora_adapter)"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 BUDGET = "get_num_mm_encoder_tokens"

@@ -1,4 +1,4 @@
-"""``lora_tower_guard``: a LoRA adapter of the MiniCPM-V vision tower, which vLLM's LoRA manager cannot apply, is
+"""``lora_tower``: a LoRA adapter of the MiniCPM-V vision tower, which vLLM's LoRA manager cannot apply, is
 refused with one clear error instead of being loaded and silently ignored; ``enable_tower_connector_lora`` gets a
 clear error instead of vLLM's ``TypeError``.
 
@@ -30,9 +30,9 @@ from conftest import REPO, TINY, hotfix
 
 from e2e import clean_env
 from e2e.peft_site import peft_site
-from vllm_minicpm_hotfix.fixes import lora_tower_guard, names
+from vllm_minicpm_hotfix.fixes import lora_tower, names
 
-OTHERS = tuple(n for n in names() if n != lora_tower_guard.NAME)
+OTHERS = tuple(n for n in names() if n != lora_tower.NAME)
 TOWER = ("vpm.", "vit_merger.", "merger.")
 #: vLLM release -> what stock start-up with enable_tower_connector_lora does: the exception (0.22-0.28, the stub's
 #: None reaching get_punica_wrapper / max()) or None (0.30+: the flag is ignored with a warning).
@@ -89,7 +89,7 @@ def tower_layers(runner) -> list[str]:
 
 
 def test_tower_adapter_ignored_stock_and_refused_with_the_fix(m46, environment, tower_adapter):
-    assert table.verdict(lora_tower_guard.NAME, environment) == "broken"
+    assert table.verdict(lora_tower.NAME, environment) == "broken"
     stock_model, fixed_model = fresh_model(m46), fresh_model(m46)
     with hotfix(m46, "auto", fixes=OTHERS):  # stock LoRA machinery (lora_support where the class needs it)
         runner = start(stock_model, tower_connector=False)
@@ -100,9 +100,9 @@ def test_tower_adapter_ignored_stock_and_refused_with_the_fix(m46, environment, 
         assert list(manager.punica_wrapper_mapping) == ["language_model"]  # ... and no wrapper serves the tower
         assert tower_layers(runner) == []
     with hotfix(m46, "auto", fixes=None) as entries:
-        assert entries[lora_tower_guard.NAME].applied
+        assert entries[lora_tower.NAME].applied
         runner = start(fixed_model, tower_connector=False)
-        with pytest.raises(lora_tower_guard.TowerLoRAError) as err:
+        with pytest.raises(lora_tower.TowerLoRAError) as err:
             runner.lora_manager.add_adapter(request(tower_adapter))
         text = str(err.value)
         print(f"\n{text}")
@@ -114,7 +114,7 @@ def test_tower_adapter_ignored_stock_and_refused_with_the_fix(m46, environment, 
         from vllm.lora.request import LoRARequest
 
         assert runner.lora_manager.add_dummy_lora(LoRARequest("lm", 2, "/not/a/path"), rank=8)
-    assert lora_tower_guard.probe(m46).state.value == "broken"  # reverted: vLLM's own classes
+    assert lora_tower.probe(m46).state.value == "broken"  # reverted: vLLM's own classes
 
 
 def test_tower_connector_flag_is_a_clear_error_where_vllm_dies(m46, release, tower_adapter):
@@ -131,10 +131,10 @@ def test_tower_connector_flag_is_a_clear_error_where_vllm_dies(m46, release, tow
     with hotfix(m46, "auto", fixes=None):
         if stock is None:  # vLLM ignores the flag itself; the adapter is refused at load
             runner = start(fixed_model, tower_connector=True)
-            with pytest.raises(lora_tower_guard.TowerLoRAError, match="language model of MiniCPM-V 4.6 only"):
+            with pytest.raises(lora_tower.TowerLoRAError, match="language model of MiniCPM-V 4.6 only"):
                 runner.lora_manager.add_adapter(request(tower_adapter))
         else:
-            with pytest.raises(lora_tower_guard.TowerLoRAError) as err:
+            with pytest.raises(lora_tower.TowerLoRAError) as err:
                 start(fixed_model, tower_connector=True)
             print(f"\n{err.value}")
             assert "--enable-tower-connector-lora: MiniCPM-V 4.6 (MiniCPMV4_6ForConditionalGeneration)" in str(err.value)
@@ -144,7 +144,7 @@ def test_tower_connector_flag_is_a_clear_error_where_vllm_dies(m46, release, tow
 def test_probe_imports_no_lora_code(m46):
     """The probe runs in every vLLM process: it must not import vLLM's LoRA modules (~0.13 s of CPU)."""
     code = ("import sys, importlib; m = importlib.import_module('vllm.model_executor.models.minicpmv4_6'); "
-            "from vllm_minicpm_hotfix.fixes import lora_tower_guard as f; v = f.probe(m); "
+            "from vllm_minicpm_hotfix.fixes import lora_tower as f; v = f.probe(m); "
             "print(v.state.value, 'vllm.lora.model_manager' in sys.modules, 'vllm.lora.worker_manager' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(PYTHONPATH=str(REPO),
                           VLLM_MINICPM_HOTFIX="off"), capture_output=True, text=True, timeout=300, check=False)
