@@ -14,7 +14,14 @@ Stock (every fix applied but this one), on every environment: the tower adapter 
 True) and ignored; with ``enable_tower_connector_lora`` 0.22-0.28 die in ``get_punica_wrapper`` with a ``TypeError``
 and 0.30+ ignore the flag (the model says it does not support it). With the fix: ``add_adapter`` raises naming the
 adapter, the tower modules and the model; the manager still takes an adapter afterwards; and the flag is a clear
-error where vLLM would die. Cheap (no engine; one peft interpreter, ~10 s): every environment.
+error where vLLM would die.
+
+In the API server: vLLM's own ``OpenAIServingModels.load_lora_adapter`` (the call behind ``POST
+/v1/load_lora_adapter`` and ``--lora-modules``) with a stand-in for the engine client that records ``add_lora``.
+Stock sends the tower adapter on to the engine ("added successfully"); with the fix it is vLLM's 400
+``BadRequestError`` with the guard's text, and nothing reaches the engine.
+
+Cheap (no engine; one peft interpreter, ~10 s): every environment.
 """
 
 from __future__ import annotations
@@ -150,3 +157,49 @@ def test_probe_imports_no_lora_code(m46):
                           VLLM_MINICPM_HOTFIX="off"), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "broken False False", proc.stdout[-2000:]
+
+
+class EngineClient:
+    """Stands in for the API server's engine client (an ``AsyncLLM``): the model config ``OpenAIServingModels``
+    reads, and ``add_lora``, which records what would be sent to the engine. What the engine then does with the tower
+    adapter (load it and ignore it) is the test above, on vLLM's own LoRA manager; the real server is
+    tests/e2e/test_lora_serve.py (0.23.0)."""
+
+    def __init__(self, model_config):
+        self.model_config = model_config
+        self.sent: list[str] = []
+
+    def __getattr__(self, name):  # renderer, input_processor, io_processor ...: not used by an adapter load
+        return None
+
+    async def add_lora(self, lora_request) -> bool:
+        self.sent.append(lora_request.lora_name)
+        return True
+
+
+def load_via_api(path):
+    """vLLM's ``OpenAIServingModels.load_lora_adapter`` (what ``POST /v1/load_lora_adapter`` and ``--lora-modules``
+    at start-up call) for the adapter at ``path``: ``(result, names sent to the engine)``."""
+    import asyncio
+
+    from vllm.config import ModelConfig
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    engine = EngineClient(ModelConfig(model=str(TINY), dtype="float32", enforce_eager=True, max_model_len=512))
+    models = OpenAIServingModels(engine, [BaseModelPath(name="tiny", model_path=str(TINY))])
+    result = asyncio.run(models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name="tower", lora_path=str(path))))
+    return result, engine.sent
+
+
+def test_api_server_refuses_the_tower_adapter_with_400_before_the_engine(m46, tower_adapter):
+    with hotfix(m46, "auto", fixes=OTHERS):
+        result, sent = load_via_api(tower_adapter)
+        assert sent == ["tower"] and "added successfully" in str(result), result  # stock: sent on to the engine
+    with hotfix(m46, "auto", fixes=None):
+        result, sent = load_via_api(tower_adapter)
+        assert sent == [], sent
+        assert result.error.code == 400 and result.error.type == "BadRequestError", result
+        assert f"LoRA adapter 'tower' ({tower_adapter}) has weights for 12 module(s)" in result.error.message
+        assert "vpm.encoder.layers.0.mlp.fc1" in result.error.message
