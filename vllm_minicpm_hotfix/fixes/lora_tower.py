@@ -205,8 +205,12 @@ def api_refusal(serving: Any, request: Any) -> str | None:
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
         mapper = getattr(cls, "hf_to_vllm_mapper", None)
-        if mapper is not None and hasattr(mapper, "get_unstacked_mapper"):
+        if mapper is not None and hasattr(mapper, "get_unstacked_mapper"):  # as the worker maps (0.26+)
             mapper = mapper.get_unstacked_mapper()
+        if getattr(mapper, "orig_to_new_stacked", None):  # 0.30+: q/k/v stay separate, as the worker counts them
+            import dataclasses
+
+            mapper = dataclasses.replace(mapper, orig_to_new_stacked={})
         with safe_open(os.path.join(path, ADAPTER_FILE), framework="pt") as f:
             keys = list(f.keys())
         stand_in = object.__new__(cls)
