@@ -13,6 +13,14 @@ the tokens of the independent reference: transformers' own model with the adapte
 transformers' processor (asserted equal to the ids the server rendered). The same request with the base model's
 name on the same server gives other tokens: the adapter is what changed them.
 
+The same server runs with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: ``POST /v1/load_lora_adapter`` of a peft adapter
+of the vision tower (tests/lora_tower_adapter.py), which vLLM would load and silently ignore (tests/
+test_lora_tower.py shows it with vLLM's own LoRA manager on every environment), is refused with
+HTTP 400 and ``lora_tower``'s error naming the adapter, the tower modules and the model, in the API server
+before the engine (vLLM's API server turns every engine-side error of an adapter load into HTTP 500: measured with
+only the worker's check in place), and the language-model adapter still answers with the reference's tokens
+afterwards.
+
 The adapter is written by peft (``LoraConfig`` + ``get_peft_model`` + ``save_pretrained``) for the language model's
 full-attention projections and MLPs, ``lora_B`` seeded nonzero; tests/lora_adapter.py says how the seed is chosen.
 
@@ -67,6 +75,11 @@ def prepared(pip_env, tmp_path_factory):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         reference = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"\nreference (transformers + peft) after {time.monotonic() - started:.0f} s: {reference}")
+        tower = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "lora_tower_adapter.py"), str(TINY), str(tmp / "adapters" / "tower")],
+            env=clean_env(PYTHONPATH=str(site)), cwd=tmp, capture_output=True, text=True, timeout=600, check=False,
+        )
+        assert tower.returncode == 0, tower.stdout[-3000:] + tower.stderr[-5000:]
         code = without.wait_exit(FAILS_WITHIN_S)
         print(f"server without lora_support exited {code} after {time.monotonic() - without.started_at:.0f} s")
         return {"reference": reference, "adapters": tmp / "adapters", "without_exit": code, "without_log": without.log()}
@@ -79,7 +92,7 @@ def server(pip_env, prepared, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-serve-run")
     adapters = prepared["adapters"]
     args = SERVE_ARGS + LORA_ARGS + ["--lora-modules", f"tiny={adapters / 'lm'}"]
-    with serving(pip_env, clean_env(PYTHONPATH=""), tmp, "lora", args) as srv:
+    with serving(pip_env, clean_env(PYTHONPATH="", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True"), tmp, "lora", args) as srv:
         assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
         print(f"\nLoRA server healthy after {time.monotonic() - srv.started_at:.0f} s")
         yield srv
@@ -116,3 +129,17 @@ def test_lora_tokens_equal_transformers_with_peft(server, prepared):
     assert healthy(server)
     assert patched_pids(server.log(), lora_support.NAME), server.log()[-6000:]
 
+
+def test_tower_adapter_loaded_at_run_time_is_refused_and_the_lm_adapter_still_answers(server, prepared):
+    tower = prepared["adapters"] / "tower"
+    status, reply = post(server, "/v1/load_lora_adapter", {"lora_name": "tower", "lora_path": str(tower)})
+    message = json.dumps(reply)
+    print(f"\nload_lora_adapter tower: HTTP {status}: {message[:1500]}")
+    assert status == 400, message
+    assert f"LoRA adapter 'tower' ({tower}) has weights for 12 module(s) of the MiniCPM-V 4.6 vision tower" in message
+    assert "vpm.encoder.layers.0.mlp.fc1" in message and "language model of MiniCPM-V 4.6 only" in message
+    assert healthy(server)
+    assert greedy(server, "tiny")["choices"][0]["token_ids"] == prepared["reference"]["lora"]
+    status, reply = post(server, "/v1/chat/completions", {
+        "model": "tower", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1})
+    assert status == 404, reply  # never registered: vLLM's own "model does not exist"

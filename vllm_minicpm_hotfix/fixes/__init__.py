@@ -16,6 +16,7 @@ from . import (
     encoder_modes,
     hf_processor_version,
     lora_support,
+    lora_tower,
     mm_placeholders,
     placeholder_guard,
     processor_mode,
@@ -47,6 +48,7 @@ REGISTRY: tuple[ModuleType, ...] = (
     quantized_vision,
     quant_method,
     lora_support,
+    lora_tower,  # after lora_support: the adapters it refuses are loaded by the LoRA it declares
 )
 
 
