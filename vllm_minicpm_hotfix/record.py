@@ -145,7 +145,7 @@ def summary_line(status: Status, registry: list[str]) -> str:
 
     (one line; wrapped here). The applied fixes are named by ``NAME``: ``all``, ``none`` (``none: off`` under
     ``VLLM_MINICPM_HOTFIX=off``), their list, or ``all but`` the list of the others, whichever is shorter -- so the
-    line stays under 300 characters for any subset of 15 fixes applied (where every probe reached a verdict). Fixes left alone because their probe could not tell
+    line stays under 300 characters for any subset of 16 fixes applied (where every probe reached a verdict). Fixes left alone because their probe could not tell
     (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that raised inside the hook as
     ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way; subclasses of the patched
     classes that no family member owns (a model vLLM added after this package) as ``; not covered: MODULES`` (the
