@@ -5,7 +5,8 @@ token ids vLLM built for each request as one JSON line.
 
 ``SPEC.json``: ``{"checkpoint": DIR, "requests": [{"name", "modality": "image"|"video", "sizes": [[w, h], ...],
 "frames": N, "kwargs": {...}}, ...], "revert": [fix NAME, ...], "limits": {...}}``; ``revert`` (optional, for showing
-stock vLLM on an engine) undoes those fixes right after the hook applied them; ``limits`` (optional) is the engine's
+stock vLLM on an engine) undoes those fixes right after the hook applied them (for every family member: the
+member modules are imported first); ``limits`` (optional) is the engine's
 ``limit_mm_per_prompt`` (default ``{"image": 2, "video": 1}``). Run by tests/test_prompt_engine.py in a fresh interpreter of the test
 environment; the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the post-import hook
 installed here covers the API-side processor and the model alike. Each request is generated on its own (greedy, one
@@ -66,7 +67,8 @@ def main(spec_path: str) -> None:
 
         from vllm_minicpm_hotfix.fixes import _base
 
-        importlib.import_module("vllm.model_executor.models.minicpmv4_6")
+        m46 = importlib.import_module("vllm.model_executor.models.minicpmv4_6")
+        _base.member_modules(m46)  # minicpmv4_7 too, where vLLM has it: the hook has then run for every member
         for name in spec["revert"]:
             _base.revert_fix(name)
     try:

@@ -114,16 +114,16 @@ def probe_fixes(names, module, pkg_parent):
     except BaseException as exc:  # noqa: BLE001 - reported, the rest of the facts still count
         out["fixes_error"] = one_line(exc)
         return out
+    try:  # every member's model module imported first: importing one after the hook ran re-runs the hook
+        members = base.member_modules(module)
+    except BaseException:  # noqa: BLE001 - an older copy of the package without the family: 4.6 alone
+        members = {}
     try:  # fixes probed at first use of their code path: probe them now, as that first use would
         deferred = importlib.import_module(names["package"] + ".fixes._deferred")
         out["first_use"] = {n: {"verdict": e.verdict, "reason": e.reason, "applied": e.applied, "why": e.why,
                                 "error": e.error} for n, e in deferred.resolve_all().items()}  # fmt: skip
     except BaseException as exc:  # noqa: BLE001
         out["first_use_error"] = one_line(exc)
-    try:
-        members = base.member_modules(module)
-    except BaseException:  # noqa: BLE001 - an older copy of the package without the family: 4.6 alone
-        members = {}
     for fix in registry:
         try:
             v = fix.probe(module)
