@@ -130,8 +130,14 @@ def _stock_between_tests(m46):
     def patched() -> list[str]:
         return [fix.NAME for fix in REGISTRY if _base.is_patched(fix, m46)]
 
+    from vllm_minicpm_hotfix.fixes import request_kwargs
+
     assert not patched(), f"a previous test left vLLM patched: {patched()}"
+    # request_kwargs keeps the encoder cache size of the last MultiModalBudget built in the process (one engine per
+    # process in vLLM); a test that builds one with a small budget must not bound a later test's requests.
+    request_kwargs.ENCODER_CACHE_SIZE.clear()
     yield
+    request_kwargs.ENCODER_CACHE_SIZE.clear()
     assert not patched(), f"this test left vLLM patched: {patched()}"
 
 
