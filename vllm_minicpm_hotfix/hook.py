@@ -35,17 +35,14 @@ def on_import(module: ModuleType) -> None:
     except Exception:  # pragma: no cover - the status record itself broken
         pass
     try:
-        waiting = [name for name in MEMBER_MODULES if _initialising(name)]
-    except Exception:  # noqa: BLE001 - pragma: no cover
-        waiting = []
-    if waiting:  # vLLM is importing 4.7, which imports this module first: on_member_import runs the fixes
-        logger.info("vllm-minicpm-hotfix: %s imported by %s: the fixes run when that import is complete",
-                    module.__name__, ", ".join(waiting))
-        return
-    try:
         from .fixes import REGISTRY, _base
     except Exception as exc:  # noqa: BLE001 - a broken install must not break vLLM's import
         logger.warning("vllm-minicpm-hotfix: the fixes could not be imported, vLLM left unpatched: %s", exc)
+        return
+    waiting = [name for name in MEMBER_MODULES if _base.initialising(name)]
+    if waiting:  # vLLM is importing 4.7, which imports this module first: on_member_import runs the fixes
+        logger.info("vllm-minicpm-hotfix: %s imported by %s: the fixes run when that import is complete",
+                    module.__name__, ", ".join(waiting))
         return
     for fix in REGISTRY:
         _guarded(fix.NAME, fix.LABEL, lambda m, fix=fix: _base.run(fix, m), module)
@@ -55,13 +52,6 @@ def on_import(module: ModuleType) -> None:
         log_summary(status, [fix.NAME for fix in REGISTRY])
     except Exception as exc:  # noqa: BLE001 - pragma: no cover - the summary itself broken
         logger.warning("vllm-minicpm-hotfix: the summary line failed: %s\n%s", exc, traceback.format_exc())
-
-
-def _initialising(name: str) -> bool:
-    """Whether the model module ``name`` is being imported right now (in ``sys.modules``, body not complete)."""
-    from .fixes import _base
-
-    return _base.initialising(name)
 
 
 def on_member_import(member_module: ModuleType) -> None:
@@ -76,7 +66,7 @@ def on_member_import(member_module: ModuleType) -> None:
     attribute chain in registry order -- and one WARNING line says so (the summary line is logged once per process).
     Nothing happens if the hook already probed the member. Never raises: a failure is logged."""
     try:
-        from .fixes import _base
+        from .fixes import REGISTRY, _base
 
         _base.mark_complete(member_module.__name__)
         member = _base.FAMILY.get(member_module.__name__)
@@ -89,18 +79,13 @@ def on_member_import(member_module: ModuleType) -> None:
             _base.revert()
         on_import(target)
         if ran:
+            line = summary_line(current(), [fix.NAME for fix in REGISTRY])
             logger.warning("vllm-minicpm-hotfix: %s imported in pid %d after the summary line; every fix re-run for %s: "
                            "%s", member, status.pid, ", ".join(current().models),
-                           summary_line(current(), [f.NAME for f in _registry()]).split(": ", 2)[-1])
+                           line.partition(f"pid {status.pid}: ")[2])  # not the summary line itself: one per process
     except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's import
         logger.warning("vllm-minicpm-hotfix: the post-import hook on %s failed: %s\n%s",
                        getattr(member_module, "__name__", "?"), exc, traceback.format_exc())
-
-
-def _registry() -> list:
-    from .fixes import REGISTRY
-
-    return REGISTRY
 
 
 def _guarded(name: str, label: str, apply: Callable[[ModuleType], object], module: ModuleType) -> None:
