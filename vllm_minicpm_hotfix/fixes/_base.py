@@ -28,6 +28,7 @@ the package in the same process (a bundle on PYTHONPATH shadowing a pip install)
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterable
 from types import ModuleType
@@ -96,6 +97,39 @@ def covers(fix: ModuleType | tuple[str, ...], obj: Any) -> bool:
         return False
     active = _ACTIVE.get(fix.NAME)
     return member in (active if active is not None else models_of(fix))
+
+
+def binder(original: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
+    """A function ``bind(*args, **kwargs) -> {parameter: value}`` for calls of ``original``: the arguments passed,
+    by parameter name (defaults not filled in), as ``inspect.signature(original).bind(...).arguments`` gives them,
+    and ``TypeError`` where that raises (too many positional arguments, an unknown or repeated keyword, a required
+    argument missing). The wrappers read the arguments they act on with it (one request goes through several). For
+    a signature of plain and keyword-only parameters (every vLLM method the fixes wrap) the binding is computed
+    once here, not per call; any other signature is bound by ``inspect`` on each call."""
+    sig = inspect.signature(original)
+    params = list(sig.parameters.values())
+    if not all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        def bind_any(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            return dict(sig.bind(*args, **kwargs).arguments)
+
+        return bind_any
+    positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+    names = frozenset(sig.parameters)
+    required = frozenset(p.name for p in params if p.default is p.empty)
+
+    def bind(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        if len(args) > len(positional):
+            raise TypeError(f"{original.__qualname__}: too many positional arguments")
+        out = dict(zip(positional, args))
+        for key, value in kwargs.items():
+            if key not in names or key in out:
+                raise TypeError(f"{original.__qualname__}: unexpected or repeated argument {key!r}")
+            out[key] = value
+        if not required <= out.keys():
+            raise TypeError(f"{original.__qualname__}: missing {sorted(required - out.keys())}")
+        return out
+
+    return bind
 
 
 def class_name(cls: type) -> str:

@@ -103,7 +103,7 @@ def wrap_get_prompt_updates(original: Callable[..., Any], fix: Any) -> Callable[
     out_mm_kwargs) -> Sequence[PromptUpdate]``: vLLM's own updates, each callable ``replacement`` wrapped so that it
     runs with :data:`REQUEST` set to this call's items and kwargs. Instances of a class ``fix`` (the fix module) does
     not cover (:func:`._base.covers`) get vLLM's result unchanged. Raises what the original raises."""
-    sig = inspect.signature(original)
+    bind = _base.binder(original)
 
     @functools.wraps(original)
     def _get_prompt_updates(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -111,7 +111,7 @@ def wrap_get_prompt_updates(original: Callable[..., Any], fix: Any) -> Callable[
         if not _base.covers(fix, self):
             return updates
         try:
-            bound = sig.bind(self, *args, **kwargs).arguments
+            bound = bind(self, *args, **kwargs)
         except TypeError:
             return updates
         request = Request(bound.get("mm_items"), dict(bound.get("hf_processor_mm_kwargs") or {}))
@@ -131,14 +131,14 @@ def wrap_process_mm_inputs(original: Callable[..., Any], fix: Any) -> Callable[.
     """Wrap ``MiniCPMVMultiModalProcessor.process_mm_inputs(self, mm_data, mm_kwargs[, tok_kwargs])`` (where vLLM
     turns a request's images and videos into tensors, every release 0.22-0.33) so that it runs with
     :data:`PROCESSING` set to the request's ``mm_kwargs``. Instances ``fix`` does not cover run vLLM's own."""
-    sig = inspect.signature(original)
+    bind = _base.binder(original)
 
     @functools.wraps(original)
     def process_mm_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _base.covers(fix, self):
             return original(self, *args, **kwargs)
         try:
-            mm_kwargs = sig.bind(self, *args, **kwargs).arguments.get("mm_kwargs")
+            mm_kwargs = bind(self, *args, **kwargs).get("mm_kwargs")
         except TypeError:
             mm_kwargs = None
         token = PROCESSING.set(dict(mm_kwargs or {}))

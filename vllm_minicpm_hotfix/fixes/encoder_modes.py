@@ -206,7 +206,7 @@ def wrap_process_mm_inputs(original: Any) -> Any:
     """Wrap ``process_mm_inputs(mm_data, mm_kwargs[, tok_kwargs]) -> Mapping[str, NestedTensors]``: vLLM's result,
     plus ``video_use_vit_merger`` (one ``torch.bool`` tensor of shape ``(1,)`` per video) where vLLM emitted videos
     and no such field."""
-    sig = inspect.signature(original)
+    bind = _base.binder(original)
 
     @functools.wraps(original)
     def process_mm_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -218,7 +218,7 @@ def wrap_process_mm_inputs(original: Any) -> Any:
             return out
         import torch
 
-        mm_kwargs = sig.bind(self, *args, **kwargs).arguments.get("mm_kwargs") or {}
+        mm_kwargs = bind(self, *args, **kwargs).get("mm_kwargs") or {}
         mode = _resolved_video_mode(self, mm_kwargs)
         insert_layer_id = getattr(self.info.get_hf_config(), "insert_layer_id", -1)
         flag = mode != "4x" and insert_layer_id >= 0

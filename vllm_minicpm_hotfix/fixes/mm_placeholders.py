@@ -59,7 +59,6 @@ names every case that differs; ``correct`` if all are equal. No pixels are proce
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from types import ModuleType
 from typing import Any
@@ -123,20 +122,11 @@ def video_placeholder(processor: Any, frame_size: Any, num_frames: int, idx: int
 _UNSET = object()
 
 
-def _bound(original: Any) -> Any:
-    sig = inspect.signature(original)
-
-    def bind(*args: Any, **kwargs: Any) -> dict:
-        return dict(sig.bind(*args, **kwargs).arguments)
-
-    return bind
-
-
 def wrap_get_slice_image_placeholder(original: Any, fix: Any) -> Any:
     """``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder(self, image_size, image_idx=0, max_slice_nums=None,
     use_image_id=True, downsample_mode=None) -> str``: transformers' text (:func:`image_placeholder`); arguments
     vLLM passes explicitly win over the request's kwargs. Instances ``fix`` does not cover get vLLM's own."""
-    bind = _bound(original)
+    bind = _base.binder(original)
 
     @functools.wraps(original)
     def get_slice_image_placeholder(self: Any, *args: Any, **kwargs: Any) -> str:
@@ -153,7 +143,7 @@ def wrap_get_slice_image_placeholder(original: Any, fix: Any) -> Any:
 def wrap_get_num_image_tokens(original: Any, fix: Any) -> Any:
     """``MiniCPMV4_6ProcessingInfo.get_num_image_tokens(self, image_size, max_slice_nums=None,
     downsample_mode=None) -> int``: the number of ``<|image_pad|>`` in :func:`image_placeholder`'s text."""
-    bind = _bound(original)
+    bind = _base.binder(original)
 
     @functools.wraps(original)
     def get_num_image_tokens(self: Any, *args: Any, **kwargs: Any) -> int:
@@ -172,7 +162,7 @@ def wrap_get_num_image_tokens(original: Any, fix: Any) -> Any:
 def wrap_get_video_prompt_texts(original: Any, fix: Any) -> Any:
     """``MiniCPMV4_6MultiModalProcessor.get_video_prompt_texts(self, image_size, num_frames, downsample_mode=None,
     video_idx=0) -> str``: transformers' text (:func:`video_placeholder`)."""
-    bind = _bound(original)
+    bind = _base.binder(original)
 
     @functools.wraps(original)
     def get_video_prompt_texts(self: Any, *args: Any, **kwargs: Any) -> str:

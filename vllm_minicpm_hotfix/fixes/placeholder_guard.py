@@ -280,14 +280,14 @@ def wrap_apply_hf_processor(original: Any) -> Any:
 def wrap_merge_mm_kwargs(original: Any) -> Any:
     """Wrap ``BaseMultiModalProcessor._merge_mm_kwargs``: checks the items the cache does not hold yet, with their
     indices in the request, *before* vLLM's cache records them; then runs vLLM's own method unchanged."""
-    sig = inspect.signature(original)
+    bind = _base.binder(original)
 
     @functools.wraps(original)
     def _merge_mm_kwargs(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _base.covers(sys.modules[__name__], self):
             return original(self, *args, **kwargs)
         try:
-            bound = sig.bind(self, *args, **kwargs).arguments
+            bound = bind(self, *args, **kwargs)
             is_cached = bound["mm_is_cached"]
             missing_kwargs = bound["mm_missing_kwargs"]
             missing_updates = bound["mm_missing_prompt_updates"]

@@ -58,7 +58,6 @@ time.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import types
 from collections.abc import Mapping
@@ -482,13 +481,13 @@ def wrap_apply(original: Any) -> Any:
     """Wrap ``BaseMultiModalProcessor.apply(self, inputs: ProcessorInputs, timing_ctx) -> MultiModalInput``: runs
     :func:`check_request` first for the members in :data:`MODELS`, then vLLM's own method unchanged. Raises
     :class:`RequestKwargsError` (``ValueError``)."""
-    sig = inspect.signature(original)
+    bind = _base.binder(original)
 
     @functools.wraps(original)
     def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _base.covers(MODELS, self):
             try:
-                inputs = sig.bind(self, *args, **kwargs).arguments.get("inputs")
+                inputs = bind(self, *args, **kwargs).get("inputs")
             except TypeError:
                 inputs = None
             if inputs is not None:
