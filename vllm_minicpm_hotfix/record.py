@@ -49,6 +49,9 @@ class FixStatus:
     #: probed at the first use of its code path instead of at import (fixes._deferred): verdict ``deferred`` until
     #: then, the real verdict after
     first_use: bool = False
+    #: Attributes this fix's value wraps another fix's value of (two fixes set one attribute): ``"Class.attr"`` -> the
+    #: NAME of the fix whose wrapper it calls (``fixes._base.shared_targets`` names every such attribute).
+    wraps: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -391,6 +391,34 @@ def set_attributes(fix: str, changes: Iterable[tuple[Any, str, Callable[[Any], A
     saved = _ORIGINALS[fix] = _ORIGINALS.pop(fix, {})  # (re)inserted last: the record is in apply order
     for owner, attr, old in undo:
         saved.setdefault((owner, attr), old)
+        inner = getattr(old, MARKER_ATTR, None)
+        if isinstance(inner, str) and inner != fix:  # a chain: this fix's wrapper calls the other fix's
+            _WRAPS.setdefault(fix, {})[f"{getattr(owner, '__qualname__', owner)}.{attr}"] = inner
+
+
+#: fix NAME -> {"Class.attr": NAME of the fix whose value its wrapper of that attribute calls}: the chains
+#: :func:`set_attributes` made in this process (two fixes on one attribute, the later wrapping the earlier).
+_WRAPS: dict[str, dict[str, str]] = {}
+
+
+def wraps_of(fix: str) -> dict[str, str]:
+    """The chains ``fix``'s values are the outer part of in this process (:data:`_WRAPS`): ``"Class.attr"`` -> the
+    inner fix's NAME; empty where it set no attribute another fix had set."""
+    return dict(_WRAPS.get(fix, {}))
+
+
+def shared_targets(registry: Iterable[ModuleType] | None = None) -> dict[str, tuple[str, ...]]:
+    """The targets (``SETS`` entries) two or more fixes set: ``"Class.attr"`` -> their NAMEs in registry order,
+    which is the order they wrap in (the first wraps vLLM's own method, each later one the one before; the hook
+    applies the registry in order). Derived from the fixes' ``SETS``, so a new fix on an attribute another fix
+    already sets shows here, in ``status()`` (``wraps``) and in ``doctor``."""
+    if registry is None:
+        from . import REGISTRY as registry
+    by_target: dict[str, list[str]] = {}
+    for fix in registry:
+        for target in fix.SETS:
+            by_target.setdefault(target, []).append(fix.NAME)
+    return {t: tuple(names) for t, names in by_target.items() if len(names) > 1}
 
 
 def _owner_module(owner: Any) -> str:
@@ -405,6 +433,7 @@ def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
     keys = [k for k in saved if module is None or _owner_module(k[0]) == module.__name__]
     if keys:
         _deferred.forget(fix)  # a trigger reverted before its first use: nothing left to probe
+        _WRAPS.pop(fix, None)
     undo = []
     for owner, attr in keys:
         old = saved.pop((owner, attr))
@@ -533,6 +562,7 @@ def decide_and_apply(fix: ModuleType, module: ModuleType, mode: decision.Mode,
             _ACTIVE.pop(name, None)
             raise
         entry.applied = True
+        entry.wraps = wraps_of(name)
         if not chosen.apply:
             entry.why = f"applied for {', '.join(sorted(acting))} only; {own}: {chosen.why}"
         for member in acting:

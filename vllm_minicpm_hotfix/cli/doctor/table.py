@@ -208,6 +208,9 @@ def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
             out.append((name, "FAIL", f"stock vLLM {f['stock']}, not patched: {stock_reason}"))
         if f.get("first_use"):  # vLLM's processes probe it when its code path is first used; the child did now
             out[-1] = (*out[-1][:2], f"probed at first use (here in doctor's child): {out[-1][2]}")
+        if f.get("wraps"):  # two fixes on one attribute: say which wraps which
+            chained = ", ".join(f"wraps {inner}'s {target}" for target, inner in sorted(f["wraps"].items()))
+            out[-1] = (*out[-1][:2], f"{out[-1][2]} ({chained})")
         out.extend(_member_rows(name, f))
     return out
 

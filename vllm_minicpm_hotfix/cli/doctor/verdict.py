@@ -30,7 +30,8 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
     not correct); ``ok`` (the probe now says correct); ``hook_error``; ``why`` (the hook's decision); ``scope`` (the
     checkpoints a scoped fix is limited to, e.g. quantized ones: its verdict does not decide doctor's); ``scope_check``
     (the command that checks a checkpoint for that scope, None: ``--model``); ``first_use`` (the hook defers its probe
-    to the first use of its code path; the child probed it)."""
+    to the first use of its code path; the child probed it); ``wraps`` (``"Class.attr"`` -> the fix whose wrapper of
+    that attribute this fix's wrapper calls: two fixes on one attribute)."""
     recorded = (child.get("status") or {}).get("fixes") or {}
     first_use = child.get("first_use") or {}
     out: dict[str, dict[str, Any]] = {}
@@ -52,7 +53,7 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "needed": stock != "correct", "ok": probe["state"] == "correct",
             "hook_error": rec.get("error"), "why": rec.get("why"), "scope": probe.get("scope"),
             "scope_check": probe.get("scope_check"), "models": _assess_models(probe, rec),
-            "first_use": deferred,
+            "first_use": deferred, "wraps": dict(rec.get("wraps") or {}),
         }
     return out
 
