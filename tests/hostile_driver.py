@@ -15,7 +15,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from e2e.server import Server, healthy, png_data_url, post
+import httpx
+
+from e2e.server import Server, png_data_url, post
 from hostile_cases import Case, broken_media, make_image
 
 REQUEST_TIMEOUT_S = 120
@@ -23,6 +25,28 @@ RUN_BUDGET_S = 900
 #: A known-good request is sent after every this many cases (and at the end): is the engine still answering?
 ALIVE_EVERY = 6
 RSS_PERIOD_S = 0.1
+#: How long a ``/health`` that does not answer at all is waited for while the server process still runs: on the
+#: 2-core CI machine a busy API server once took over 10 s to answer (the CI run of 2026-12-01, 0.22.1).
+HEALTH_WAIT_S = 60
+
+
+def engine_alive(server: Server) -> tuple[bool, str]:
+    """Whether ``server``'s engine is alive, and what ``/health`` said. vLLM answers ``/health`` with 500 once its
+    engine is dead (``EngineDeadError``) and the process exits when the API server dies, so an answer other than 200,
+    or an exited process, is a death at once; a health check that gets no answer while the process runs (a busy
+    machine) is repeated for up to :data:`HEALTH_WAIT_S`, and is a death after that."""
+    deadline = time.monotonic() + HEALTH_WAIT_S
+    while True:
+        try:
+            status = httpx.get(f"{server.url}/health", timeout=10).status_code
+            return status == 200, f"/health {status}"
+        except httpx.HTTPError as exc:
+            detail = f"/health no answer: {type(exc).__name__}: {exc}"
+        if server.proc.poll() is not None:
+            return False, f"{detail}; the server exited ({server.proc.returncode})"
+        if time.monotonic() > deadline:
+            return False, f"{detail} for {HEALTH_WAIT_S} s"
+        time.sleep(2)
 
 
 def rss_bytes(pid: int) -> int:
@@ -83,6 +107,8 @@ class Outcome:
     statuses: list[int]
     messages: list[str]
     alive: bool
+    #: What the liveness checks after the case saw (``/health``'s answer, the known-good request's status).
+    health: str = ""
 
     @property
     def ok(self) -> bool:
@@ -153,14 +179,15 @@ def run(server: Server, label: str, cases: list[Case], *, stop_on_death: bool = 
             if time.monotonic() - start > RUN_BUDGET_S:
                 break
             statuses, messages = send(server, case)
-            alive = healthy(server)
+            alive, health = engine_alive(server)
             if alive and ((i + 1) % ALIVE_EVERY == 0 or i + 1 == len(cases)):
-                alive = post(server, "/v1/chat/completions", body(server, GOOD), timeout=REQUEST_TIMEOUT_S)[0] == 200
-            outcomes.append(Outcome(case, statuses, messages, alive))
+                good = post(server, "/v1/chat/completions", body(server, GOOD), timeout=REQUEST_TIMEOUT_S)[0]
+                alive, health = good == 200, f"{health}; known-good request {good}"
+            outcomes.append(Outcome(case, statuses, messages, alive, health))
             if not alive:
                 deaths += 1
                 if stop_on_death:
                     break
-                if not healthy(server):
+                if not engine_alive(server)[0]:
                     break  # nothing left to ask
     return Report(label, outcomes, deaths, idle, max(rss.peak, idle), time.monotonic() - start)

@@ -66,7 +66,8 @@ def _report(report: hostile_driver.Report, record_property) -> None:
     print(f"\n{report.line()}")
     for o in report.outcomes:
         if not o.ok or not o.alive:
-            print(f"  {o.case.name}: {o.statuses} alive={o.alive}: {o.messages[0][:300]}")
+            health = "" if o.alive else f" ({o.health})"
+            print(f"  {o.case.name}: {o.statuses} alive={o.alive}{health}: {o.messages[0][:300]}")
 
 
 def test_hotfix_answers_every_request(pip_env, tmp_path, release, record_property):
