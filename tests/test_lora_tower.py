@@ -21,7 +21,8 @@ In the API server: vLLM's own ``OpenAIServingModels.load_lora_adapter`` (the cal
 Stock sends the tower adapter on to the engine ("added successfully"); with the fix it is vLLM's 400
 ``BadRequestError`` with the guard's text, and nothing reaches the engine.
 
-Cheap (no engine; one peft interpreter, ~10 s): every environment.
+Cheap (no engine; one peft interpreter, ~10 s): every environment; the probe's import check (a fresh vLLM
+interpreter) on three.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from conftest import REPO, TINY, hotfix
 
 from e2e import clean_env
 from e2e.peft_site import peft_site
+from support.programs import run_reporting
 from vllm_minicpm_hotfix.fixes import lora_tower, names
 
 OTHERS = tuple(n for n in names() if n != lora_tower.NAME)
@@ -149,15 +151,12 @@ def test_tower_connector_flag_is_a_clear_error_where_vllm_dies(m46, release, tow
             assert "Start without --enable-tower-connector-lora" in str(err.value)
 
 
+@pytest.mark.placed("0.22.1", "0.28.0", "0.33.0")
 def test_probe_imports_no_lora_code(m46):
-    """The probe runs in every vLLM process: it must not import vLLM's LoRA modules (~0.13 s of CPU)."""
-    code = ("import sys, importlib; m = importlib.import_module('vllm.model_executor.models.minicpmv4_6'); "
-            "from vllm_minicpm_hotfix.fixes import lora_tower as f; v = f.probe(m); "
-            "print(v.state.value, 'vllm.lora.model_manager' in sys.modules, 'vllm.lora.worker_manager' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(PYTHONPATH=str(REPO),
-                          VLLM_MINICPM_HOTFIX="off"), capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "broken False False", proc.stdout[-2000:]
+    """The probe runs in every vLLM process: it must not import vLLM's LoRA modules (~0.13 s of CPU). A fresh
+    interpreter per run (~10 s), so on the first, a middle and the last release only."""
+    out, log = run_reporting("lora_probe_imports", env=clean_env(PYTHONPATH=str(REPO), VLLM_MINICPM_HOTFIX="off"))
+    assert out == {"verdict": "broken", "imported": []}, log[-3000:]
 
 
 class EngineClient:
