@@ -22,7 +22,8 @@ alternating, as medians with their ratio B/A and a 95% bootstrap interval.
    (benchmarks/hook_child.py), every probe at import (A) against as shipped, some probed at first use (B); target:
    B's whole hook at most 30 ms of CPU.
 5. request: vLLM's multimodal processor ``apply`` per case (4 image sizes, a video, each per-request kwarg), every
-   fix reverted (A) and applied (B) alternating in one process (benchmarks/request_inproc.py), 0.32.0 and 0.33.0.
+   fix reverted (A) and applied (B) alternating call by call in one process (benchmarks/request_inproc.py), 0.32.0
+   and 0.33.0.
 6. serve: real ``vllm serve`` on 0.32.0, stock (A) against the hotfix pip-installed (B), default-kwarg image requests
    at concurrency 4 (benchmarks/serve_bench.py): wall per request (1 / throughput), time to first token, server CPU.
 
@@ -723,8 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hook-pairs", type=int, default=10,
                     help="pairs of fresh processes per release, eager and deferred probes (default 10)")
     ap.add_argument("--request-releases", default="0.32.0,0.33.0", help="releases of the per-request benchmark")
-    ap.add_argument("--request-rounds", type=int, default=6, help="alternating rounds, per request (default 6)")
-    ap.add_argument("--request-reps", type=int, default=9, help="calls per case per round, the min kept (default 9)")
+    ap.add_argument("--request-rounds", type=int, default=16, help="rounds, per request (default 16)")
+    ap.add_argument("--request-reps", type=int, default=5,
+                    help="calls per case, state and round, A and B alternating call by call, the min kept (default 5)")
     ap.add_argument("--serve-rounds", type=int, default=2, help="rounds of one stock and one hotfix server (default 2)")
     ap.add_argument("--serve-batches", type=int, default=3, help="batches per server (default 3)")
     ap.add_argument("--serve-requests", type=int, default=12, help="requests per batch (default 12)")

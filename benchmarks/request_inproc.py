@@ -6,17 +6,23 @@ Runs in a vLLM 0.32+ environment (``ProcessorInputs`` / ``TimingContext``, as vL
 with the package imported from ``REPO``. The checkpoint is the bundled tiny one with MiniCPM-V 4.6's real processor
 geometry (patch 14, ``scale_resolution`` 448, ``max_slice_nums`` 9; a copy in a temporary folder), so the slicing,
 resizing and normalising work is the real model's. The processor is vLLM's own, made by
-``MULTIMODAL_REGISTRY.create_processor(ModelConfig(...))`` afresh after each switch (outside the timed region);
+``MULTIMODAL_REGISTRY.create_processor(ModelConfig(...))`` once per round (in state B on even rounds, A on odd ones);
 ``apply`` is timed with ``time.process_time()`` (CPU of this process) and ``perf_counter`` (wall), torch on one
-thread, no processor cache (every call does the full work).
+thread, no processor cache (every call does the full work), the garbage collector off while a call is timed and run
+before it (as ``timeit`` does: a collection lands in whichever call triggers it, and is not that call's work), the
+objects of the imported libraries frozen first (``gc.freeze``: the millions of them are not scanned per collection).
 
-``ROUNDS`` rounds; each round measures every case in state A and in state B, the order alternating (AB, BA, ...):
 B is the post-import hook run on the model module as in vLLM's processes (``auto``), A is ``fixes._base.revert()``
-of it. Each measurement of a case is the minimum of ``REPS`` calls (the least disturbed by other load). Prints one
-JSON object (last line): per case the per-round minima of A and B, and the prompt length each state built.
+of it; the switch happens between calls, outside the timed region, and is followed by one untimed call (so that
+the switch's own work, the hook's probes, is out of the caches before a timed call in either state). ``ROUNDS`` rounds; in each, per case, ``REPS``
+calls in each state, alternating call by call (A B, B A, A B ...), so that A and B share the processor, the
+allocator's state and the machine's moment; each state's measurement of the case in the round is the minimum of its
+``REPS`` calls (the least disturbed by other load). Prints one JSON object (last line): per case the per-round minima
+of A and B, and the prompt length each state built.
 """
 
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -107,33 +113,56 @@ def main(repo: str, rounds: int, reps: int) -> dict:
         todo = cases()
         res = {name: {"A": [], "B": [], "A_wall": [], "B_wall": [], "tokens": {}, "error": {}} for name, *_ in todo}
         applied: list[str] = []
+        gc.collect()
+        gc.freeze()  # vLLM's, torch's and transformers' objects: never scanned again, so a collection is cheap
 
-        def set_state(state: str):
+        def set_state(state: str) -> None:
             _base.revert(m46)
             record._STATUS = None
             if state == "B":
                 hook.on_import(m46)
                 applied[:] = [n for n, e in record.current().fixes.items() if e.applied]
-            return make_processor(ckpt)
+
+        def timed(proc, modality, items, kwargs) -> tuple[float, float, int]:
+            gc.collect()
+            gc.disable()  # as timeit does: a collection is not the call's work
+            try:
+                c, w = time.process_time(), time.perf_counter()
+                n = call(proc, modality, items, kwargs)
+                return time.process_time() - c, time.perf_counter() - w, n
+            finally:
+                gc.enable()
 
         for i in range(rounds):
-            for state in (("A", "B") if i % 2 == 0 else ("B", "A")):
-                proc = set_state(state)
-                for name, modality, items, kwargs in todo:
-                    r = res[name]
-                    try:
-                        call(proc, modality, items, kwargs)  # warm: first-call costs not charged to either
-                        best_cpu = best_wall = float("inf")
-                        for _ in range(reps):
-                            c, w = time.process_time(), time.perf_counter()
-                            n = call(proc, modality, items, kwargs)
-                            best_cpu = min(best_cpu, time.process_time() - c)
-                            best_wall = min(best_wall, time.perf_counter() - w)
-                        r[state].append(best_cpu * 1e3)
-                        r[f"{state}_wall"].append(best_wall * 1e3)
-                        r["tokens"][state] = n
-                    except Exception as exc:  # noqa: BLE001 - e.g. stock refusing a kwarg: reported, not timed
-                        r["error"][state] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            # One processor per round, made in state B on even rounds and A on odd ones (what its construction
+            # leaves behind is then on both sides alike); per case the calls alternate A, B, A, B ... (B first on
+            # odd calls), switching the fixes between calls, outside the timed region.
+            set_state("B" if i % 2 == 0 else "A")
+            proc = make_processor(ckpt)
+            for name, modality, items, kwargs in todo:
+                r = res[name]
+                best = {s: [float("inf"), float("inf")] for s in "AB"}
+                try:
+                    for state in "AB":
+                        set_state(state)
+                        try:
+                            call(proc, modality, items, kwargs)  # warm: first-call costs not charged to either
+                        except Exception as exc:  # noqa: BLE001 - e.g. stock refusing a kwarg: reported, not timed
+                            r["error"][state] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    if r["error"]:
+                        continue
+                    for k in range(reps):
+                        for state in (("A", "B") if k % 2 == 0 else ("B", "A")):
+                            set_state(state)
+                            call(proc, modality, items, kwargs)  # untimed: the switch's own work out of the caches
+                            cpu, wall, n = timed(proc, modality, items, kwargs)
+                            best[state] = [min(best[state][0], cpu), min(best[state][1], wall)]
+                            r["tokens"][state] = n
+                    for state in "AB":
+                        r[state].append(best[state][0] * 1e3)
+                        r[f"{state}_wall"].append(best[state][1] * 1e3)
+                except Exception as exc:  # noqa: BLE001
+                    r["error"]["A/B"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(f"[request bench] round {i + 1}/{rounds}", file=sys.stderr, flush=True)
         _base.revert(m46)
         import vllm
