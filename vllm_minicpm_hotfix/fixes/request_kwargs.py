@@ -333,7 +333,22 @@ def geometry_of(processor: Any) -> dict[str, Any]:
     """Bounds for :func:`check_kwargs`: ``patch``, ``min_scale`` (``4 * patch_size``), ``max_scale``
     (``4 * patch_size * isqrt(item tokens)``: one unsliced slice of that side alone fills :func:`item_limit`),
     ``max_slices`` (the most of the model's image and video ``max_slice_nums``: what vLLM's start-up profiling and
-    its per-item token counts are computed for), ``image_tokens``, ``why``, ``fixed``, ``has_downsample_mode``."""
+    its per-item token counts are computed for), ``image_tokens``, ``why``, ``fixed``, ``has_downsample_mode``, and
+    ``limit`` (:func:`item_limit`). Computed once per processor and encoder cache size (every input is fixed for a
+    processor's life: its model config and transformers' processor), then kept on the processor."""
+    cached = processor.__dict__.get(_GEOMETRY_ATTR)
+    if cached is not None and cached[0] == tuple(ENCODER_CACHE_SIZE):
+        return cached[1]
+    geo = _geometry(processor)
+    processor.__dict__[_GEOMETRY_ATTR] = (tuple(ENCODER_CACHE_SIZE), geo)
+    return geo
+
+
+#: The processor attribute holding ``(encoder cache size, geometry_of(processor))``.
+_GEOMETRY_ATTR = "_vllm_minicpm_hotfix_geometry"
+
+
+def _geometry(processor: Any) -> dict[str, Any]:
     ip = processor.info.ctx.get_hf_processor().image_processor
     patch = int(getattr(ip, "patch_size", 14) or 14)
     limit = item_limit(processor)
@@ -341,7 +356,7 @@ def geometry_of(processor: Any) -> dict[str, Any]:
     geo: dict[str, Any] = {
         "patch": patch, "min_scale": TOKEN_WINDOW * patch, "image_tokens": limit["tokens"], "why": limit["why"],
         "max_scale": TOKEN_WINDOW * patch * max(math.isqrt(limit["tokens"]), 1), "fixed": fixed_keys(ip),
-        "has_downsample_mode": not declared or "downsample_mode" in declared,
+        "has_downsample_mode": not declared or "downsample_mode" in declared, "limit": limit,
     }
     # The checkpoint's and transformers' own value besides the model-level one (4.7's processing info reports the
     # latter): a request may ask up to what the model itself takes; the per-item budget bounds the cost.
@@ -377,7 +392,7 @@ def check_items(processor: Any, items: Any, request: Mapping[str, Any] | None, m
     whose cost (:func:`tokens_and_pixels` from its size and the effective kwargs: nothing decoded or resized)
     exceeds :func:`item_limit`, or if the items together exceed ``max_model_len`` vision tokens. Items given as
     embeddings are not judged."""
-    limit = item_limit(processor)
+    limit = geometry_of(processor)["limit"]
     ip = processor.info.ctx.get_hf_processor().image_processor
     max_model_len = int(processor.info.ctx.model_config.max_model_len)
     total = 0
