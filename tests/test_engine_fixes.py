@@ -1,4 +1,4 @@
-"""The engine-side fixes of issue 11 against the real vLLM of this environment, without an engine: vLLM's own
+"""The engine-side fixes against the real vLLM of this environment, without an engine: vLLM's own
 multimodal processor for the bundled tiny checkpoint (``MULTIMODAL_REGISTRY.create_processor``) and vLLM's own model
 built on CPU from it (:mod:`vllm_build`), with the same batching the model runner uses
 (``vllm.multimodal.utils.group_and_batch_mm_kwargs``) and the same merge that kills EngineCore

@@ -18,7 +18,7 @@ an untied one written by transformers for this session, and case-04's (vit_merge
 Stock vLLM on a broken release is shown failing on the split checkpoints, so these tests would catch a hotfix that
 did nothing; a q/k/v loader that swaps two shards fails ``test_whole_model_equals_stock_0_32``.
 
-Placed on one release where the hotfix patches (issue 15 asks for "a broken release"; elsewhere it would compare
+Placed on one release where the hotfix patches (a broken release: elsewhere it would compare
 stock with stock): 0.26.0, off the run's longest environment (0.28.0, which has the engine tests). It also passes on
 0.28.0 (8 passed in 145 s there, 2026-11-30). About 2.5 minutes, most of it the 0.32.0
 interpreter's ``import vllm``.

@@ -1,4 +1,4 @@
-"""The ``downsample_mode`` fix (issue 7), against the real vLLM and the real transformers of this environment.
+"""The ``downsample_mode`` fix, against the real vLLM and the real transformers of this environment.
 
 transformers >= 5.23 made ``MiniCPMV4_6ImageProcessor.find_best_resize`` / ``get_refine_size`` take a required
 ``downsample_mode``; vLLM's ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens`` calls them without it. What each test

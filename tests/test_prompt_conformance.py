@@ -1,4 +1,4 @@
-"""Issue 11, prompt side: the token ids vLLM's own multimodal processor builds for MiniCPM-V 4.6 images and videos
+"""The prompt side: the token ids vLLM's own multimodal processor builds for MiniCPM-V 4.6 images and videos
 equal, token for token, those transformers' ``MiniCPMV4_6Processor`` builds for the same items and kwargs.
 
 Everything runs the real code of the installed release: vLLM's ``MiniCPMV4_6MultiModalProcessor`` from
@@ -51,7 +51,7 @@ import expected as table
 from conftest import MAKE_CHECKPOINT, TINY, hotfix, vllm_release
 from vllm_minicpm_hotfix.fixes import _base, by_name
 
-#: The fixes of this part of issue 11.
+#: The prompt fixes this module tests.
 MINE = ("mm_placeholders", "video_image_id_cache", "hf_processor_version")
 #: What "stock" keeps: the fixes a request needs before it can reach a placeholder at all.
 PREREQUISITES = ("processor_downsample_mode", "hf_processor_version")

@@ -1,4 +1,4 @@
-"""Issue 11, prompt side, through a real engine: ``LLM.generate``'s ``RequestOutput.prompt_token_ids`` for MiniCPM-V
+"""The prompt side through a real engine: ``LLM.generate``'s ``RequestOutput.prompt_token_ids`` for MiniCPM-V
 4.6 images and videos equal transformers' ``MiniCPMV4_6Processor`` input ids, and every request is answered.
 
 One engine per release (tests/programs/prompt_engine_run.py in a fresh interpreter, hotfix installed as the package's

@@ -1,4 +1,4 @@
-"""Quantized MiniCPM-V 4.6 checkpoints on the installed vLLM (issue 14), module level: the real model built from a
+"""Quantized MiniCPM-V 4.6 checkpoints on the installed vLLM, module level: the real model built from a
 real ``ModelConfig`` / ``VllmConfig`` the way vLLM's DefaultModelLoader builds it (``configure_quant_config``, then the
 class), loaded through its own top-level ``load_weights``. No engine (that is ``tests/e2e/test_quantized_engine.py``).
 

@@ -27,7 +27,7 @@ starts at all here (0.22-0.30 need the load fixes first), ``tests/e2e/test_engin
 server: the engine dies on the request and the next request fails.
 
 Placed on one release per family (``RELEASES``; deselected elsewhere): one server per release, every check on it.
-That 0.23.0 starts (issue 11: it cannot stock) is shown by tests/test_prompt_engine.py's engine there, not by a
+That 0.23.0 starts (it cannot stock) is shown by tests/test_prompt_engine.py's engine there, not by a
 fifth server here.
 """
 

@@ -11,7 +11,7 @@ from vllm_minicpm_hotfix.fixes import _base, qkv_loader  # noqa: E402
 
 
 def boom(module):
-    raise RuntimeError("synthetic failure inside _apply_qkv_fix")
+    raise RuntimeError("synthetic failure inside a fix")
 
 
 qkv_loader.apply = boom
