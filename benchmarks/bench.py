@@ -672,7 +672,7 @@ def breakdown_text(bd: dict, import_row: dict | None) -> str:
         ("on_import", "module imported: on_import total"),
         ("probe_qkv", "  q/k/v probe (fixes.qkv_loader.probe)"),
         ("patch_qkv", "  q/k/v patch (fixes.qkv_loader.apply)"),
-        ("processor_fix", "  processor probe (fixes.processor_mode.probe)"),
+        ("processor_fix", "  processor probe (fixes.processor_downsample_mode.probe)"),
     ]
     fixes = ", ".join(
         f"{k} {v['verdict']}, {'applied' if v['applied'] else 'not applied'}" for k, v in bd["fixes"].items()

@@ -3,11 +3,11 @@
 
     python benchmarks/guard_inproc.py CHECKPOINT_DIR LOADS      # with the vLLM 0.32.0 environment's interpreter
 
-Like benchmarks/load_inproc.py, for ``fixes/qkv_guard.py`` instead of the q/k/v loader: one vLLM 0.32.0 model (a
+Like benchmarks/load_inproc.py, for ``fixes/qkv_completeness_guard.py`` instead of the q/k/v loader: one vLLM 0.32.0 model (a
 release whose own loading is correct: under ``auto`` the guard is what applies there) is built once in bf16 from the
 full-size synthetic checkpoint (benchmarks/make_full_checkpoint.py), loaded once to warm up, then ``LOADS`` times
 through ``model.load_weights`` over the safetensors iterator, the guard applied before every second load and reverted
-after it (``fixes.qkv_guard.apply`` / ``fixes._base.revert``, what the hook and the tests use), order A B B A A B ...
+after it (``fixes.qkv_completeness_guard.apply`` / ``fixes._base.revert``, what the hook and the tests use), order A B B A A B ...
 so drift cancels. After the last load the vit_merger ``qkv_proj`` is checked against ``cat(q, k, v)`` of the
 checkpoint, and the guard's own work per load is timed alone (50 times: find the parameters in the whole model, wrap
 and restore their weight loaders, judge completeness). Prints one JSON line: per load the mode, wall and CPU seconds;
@@ -36,7 +36,8 @@ def main() -> int:
     from common import compare
     from safetensors import safe_open
 
-    from vllm_minicpm_hotfix.fixes import _base, qkv_guard
+    from vllm_minicpm_hotfix.fixes import _base
+    from vllm_minicpm_hotfix.fixes import qkv_completeness_guard as qkv_guard
     from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, checkpoint_files, load_checkpoint
 
     model = build_vllm_model(ckpt, dtype="bfloat16", load=False)
@@ -70,7 +71,7 @@ def main() -> int:
     # The guard's own work per load, without the load around it: find the vit_merger qkv_proj parameters in the
     # whole model and wrap their weight loaders, put them back, judge completeness (the observers' per-call cost, six
     # calls per load, is not in here: a Python call and a set update each).
-    from vllm_minicpm_hotfix.fixes.qkv_guard import _Watch
+    from vllm_minicpm_hotfix.fixes.qkv_completeness_guard import _Watch
 
     attn_cls = type(model.vit_merger.self_attn)
     own = []

@@ -79,7 +79,8 @@ def instrument() -> bool:
         t1 = time.perf_counter()
         count_finder_calls(wrapt)
         from vllm_minicpm_hotfix import hook
-        from vllm_minicpm_hotfix.fixes import processor_mode, qkv_loader
+        from vllm_minicpm_hotfix.fixes import qkv_loader
+        from vllm_minicpm_hotfix.fixes import processor_downsample_mode as processor_mode
 
         t2 = time.perf_counter()
         timed(hook, "on_import", "on_import")

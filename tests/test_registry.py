@@ -25,6 +25,28 @@ def test_every_fix_has_the_interface():
         by_name("nope")
 
 
+#: The fixes whose tests live in a module named after a subject several fixes share (the prompt, the engine, the
+#: quantized checkpoints), not in tests/test_<NAME>.py; every other fix has its own test file of its NAME.
+TESTED_TOGETHER = {
+    "hf_processor_version": "test_prompt_conformance", "mm_placeholders": "test_prompt_conformance",
+    "video_image_id_cache": "test_prompt_conformance", "encoder_modes": "test_engine_fixes",
+    "video_tower": "test_engine_fixes", "video_budget": "test_engine_fixes", "placeholder_guard": "test_engine_fixes",
+    "quantized_vision": "test_quantized", "unsupported_quant_method": "test_quantized",
+}
+
+
+def test_one_name_per_fix():
+    """A fix's NAME is its module's name, and the name of its test file (or of the shared one it is tested in)."""
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    for fix in REGISTRY:
+        assert fix.__name__ == f"vllm_minicpm_hotfix.fixes.{fix.NAME}", (fix.__name__, fix.NAME)
+        test_file = TESTED_TOGETHER.get(fix.NAME, f"test_{fix.NAME}")
+        assert (tests / f"{test_file}.py").is_file(), (fix.NAME, test_file)
+    assert set(TESTED_TOGETHER) <= set(names())
+
+
 @pytest.mark.parametrize("name", names())
 def test_stock_verdict_is_pinned(m46, environment, name):
     """The probe on stock vLLM gives the verdict tests/expected.py pins here (a fix or an environment missing from the

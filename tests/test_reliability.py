@@ -10,9 +10,9 @@ Three parts, all on the real vLLM of this environment (CPU):
    where relevant). ``load_model`` then returns nothing: the worker's model runner never gets a model, so the engine
    start-up aborts with that exception -- a half-loaded model cannot reach a caller. Every fix of the registry is
    applied as the hook applies it. Under ``auto`` on a release whose own q/k/v loading is correct the loader stays out
-   of the way and vLLM's own loading runs, watched by the completeness guard (fixes/qkv_guard.py): a missing shard
+   of the way and vLLM's own loading runs, watched by the completeness guard (fixes/qkv_completeness_guard.py): a missing shard
    raises the same ``QKVLoadError``; the other cases are what stock vLLM does (docs/what-can-go-wrong.md says which
-   stay silent). tests/test_qkv_guard.py runs a light subset of these on every release.
+   stay silent). tests/test_qkv_completeness_guard.py runs a light subset of these on every release.
 2. **Hostile environments** in fresh interpreters (real start-up, real import of vLLM's model module): the hook's own
    code raising, the module imported before ``install()``, ``importlib.reload``, two threads importing at once, an
    unknown ``VLLM_MINICPM_HOTFIX``, a vLLM layout the code does not recognise.
@@ -264,7 +264,7 @@ def test_missing_k_proj_weight(m46, expected, bad, mode):
             ), str(exc)
         else:
             # auto on a release whose own loading is correct: vLLM loads it, and the completeness guard refuses it
-            # (stock vLLM alone is silent: the k rows keep uninitialised memory; tests/test_qkv_guard.py shows it).
+            # (stock vLLM alone is silent: the k rows keep uninitialised memory; tests/test_qkv_completeness_guard.py shows it).
             exc = start_up_fails(ckpt, QKVLoadError)
             assert str(exc) == (
                 "vit_merger q/k/v incomplete, the fused qkv_proj would be left partly uninitialised: "

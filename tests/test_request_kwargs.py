@@ -22,7 +22,7 @@ import typing
 import numpy as np
 import pytest
 from conftest import TINY, hotfix
-from test_processor_fix import vllm_process
+from test_processor_downsample_mode import vllm_process
 
 from vllm_minicpm_hotfix.fixes import _mm_prompt as mp
 from vllm_minicpm_hotfix.fixes import request_kwargs as fix

@@ -263,7 +263,7 @@ def prompt_ids(reply) -> list[int]:
 @pytest.mark.placed(*BROKEN)
 def test_stock_server_fails_to_start(m46, expected, model_dir, tmp_path):
     """Stock vLLM, the bug report's command line: no server (the first error stock vLLM hits here)."""
-    from vllm_minicpm_hotfix.fixes import processor_mode
+    from vllm_minicpm_hotfix.fixes import processor_downsample_mode as processor_mode
 
     first = ("missing 1 required positional argument: 'downsample_mode'" if processor_mode.probe(m46).broken
              else expected[1])

@@ -103,7 +103,7 @@ def assert_patched_where_weights_loaded(server: Server) -> dict:
 @pytest.fixture(scope="module")
 def stock_first_error(m46, expected) -> str:
     """What stock vLLM raises first while starting the server here."""
-    from vllm_minicpm_hotfix.fixes import processor_mode as processor_fix
+    from vllm_minicpm_hotfix.fixes import processor_downsample_mode as processor_fix
 
     if processor_fix.probe(m46).broken:  # transformers >= 5.23: the placeholder count, in the API server
         return DOWNSAMPLE_TYPEERROR
@@ -134,8 +134,8 @@ def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
     (only / "sitecustomize.py").write_text(
         f"import sys\nsys.path.append({str(REPO)!r})\nimport wrapt\n\n"
         "def _processor_fix_only(module):\n"
-        "    from vllm_minicpm_hotfix.fixes import _base, processor_mode\n"
-        "    _base.run(processor_mode, module)\n"
+        "    from vllm_minicpm_hotfix.fixes import _base, processor_downsample_mode\n"
+        "    _base.run(processor_downsample_mode, module)\n"
         "    from vllm_minicpm_hotfix import record\n"
         "    from vllm_minicpm_hotfix.fixes import names\n"
         "    record.log_summary(record.current(), names())\n\n"

@@ -7,7 +7,8 @@ import sys
 import vllm.model_executor.models.minicpmv4_6 as m
 import vllm_minicpm_hotfix as h
 from vllm_minicpm_hotfix import _bootstrap
-from vllm_minicpm_hotfix.fixes import _base, processor_mode, qkv_loader
+from vllm_minicpm_hotfix.fixes import _base, qkv_loader
+from vllm_minicpm_hotfix.fixes import processor_downsample_mode as processor_mode
 
 before_plugins = list(_bootstrap.activations)
 from vllm.plugins import load_general_plugins  # noqa: E402

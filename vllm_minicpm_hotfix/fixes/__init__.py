@@ -55,12 +55,12 @@ from . import (
     lora_tower,
     mm_placeholders,
     placeholder_guard,
-    processor_mode,
-    qkv_guard,
+    processor_downsample_mode,
+    qkv_completeness_guard,
     qkv_loader,
-    quant_method,
     quantized_vision,
     request_kwargs,
+    unsupported_quant_method,
     video_budget,
     video_image_id_cache,
     video_loader,
@@ -70,8 +70,8 @@ from . import (
 #: The fixes, in the order the post-import hook applies them.
 REGISTRY: tuple[ModuleType, ...] = (
     qkv_loader,
-    qkv_guard,  # after qkv_loader: its probe reads whether the loader (which checks completeness too) is applied
-    processor_mode,
+    qkv_completeness_guard,  # after qkv_loader: its probe reads whether the loader (which checks completeness too) is applied
+    processor_downsample_mode,
     hf_processor_version,
     mm_placeholders,
     video_image_id_cache,
@@ -82,7 +82,7 @@ REGISTRY: tuple[ModuleType, ...] = (
     placeholder_guard,
     request_kwargs,  # after the prompt fixes: its budget reads transformers' sizing as they leave it
     quantized_vision,
-    quant_method,
+    unsupported_quant_method,
     lora_support,
     lora_tower,  # after lora_support: the adapters it refuses are loaded by the LoRA it declares
 )

@@ -36,7 +36,7 @@ from support.environment import hotfix_mode_set
 import vllm_minicpm_hotfix
 from vllm_minicpm_hotfix import decision, hook, record
 from vllm_minicpm_hotfix.fixes import _base, hf_processor_version, qkv_loader
-from vllm_minicpm_hotfix.fixes import processor_mode as processor_fix
+from vllm_minicpm_hotfix.fixes import processor_downsample_mode as processor_fix
 from vllm_minicpm_hotfix.record import FixStatus
 
 TINY = Path(vllm_minicpm_hotfix.__file__).parent / "data" / "tiny-minicpm-v46"

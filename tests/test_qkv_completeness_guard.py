@@ -1,4 +1,4 @@
-"""Nothing silent on correct releases either: the q/k/v completeness guard (vllm_minicpm_hotfix/fixes/qkv_guard.py),
+"""Nothing silent on correct releases either: the q/k/v completeness guard (vllm_minicpm_hotfix/fixes/qkv_completeness_guard.py),
 and a light subset of the bad-checkpoint outcomes of tests/test_reliability.py, on every release, in this process.
 
 Each bad checkpoint is a small copy of the bundled one with one thing wrong, loaded the way a vLLM worker loads it at
@@ -32,7 +32,7 @@ from test_reliability import (  # the bad checkpoints' builders and vLLM's two w
     write_checkpoint,
 )
 
-from vllm_minicpm_hotfix.fixes import qkv_guard
+from vllm_minicpm_hotfix.fixes import qkv_completeness_guard as qkv_guard
 from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError
 
 P = "model.vision_tower.vit_merger.self_attn."
