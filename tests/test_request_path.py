@@ -30,14 +30,19 @@ CHAINS = {
 }
 
 
-def _chain(value):
-    """The fix NAMEs marked on ``value`` and each value it wraps (``__wrapped__``, set by ``functools.wraps``),
-    outermost first, and the first unmarked value (vLLM's own)."""
-    marks = []
+def _fix_values(value):
+    """``value`` and each value it wraps (``__wrapped__``, set by ``functools.wraps``) while a fix marked it,
+    outermost first, as ``(fix NAME, value)``; then ``(None, the first unmarked value)`` (vLLM's own)."""
     while isinstance(getattr(value, _base.MARKER_ATTR, None), str):
-        marks.append(getattr(value, _base.MARKER_ATTR))
+        yield getattr(value, _base.MARKER_ATTR), value
         value = getattr(value, "__wrapped__", None)
-    return marks, value
+    yield None, value
+
+
+def _chain(value):
+    """The fix NAMEs marked along ``value``'s chain, outermost first, and the first unmarked value (vLLM's own)."""
+    *marked, (_, innermost) = _fix_values(value)
+    return [name for name, _ in marked], innermost
 
 
 def _wrapper_codes(m46) -> dict:
@@ -49,11 +54,10 @@ def _wrapper_codes(m46) -> dict:
             if found is None:
                 continue
             value = vars(found[0]).get(found[1]) if isinstance(found[0], type) else getattr(*found, None)
-            while isinstance(getattr(value, _base.MARKER_ATTR, None), str):
-                code = getattr(getattr(value, "__func__", value), "__code__", None)
-                if code is not None:
-                    codes.setdefault(code, (target, getattr(value, _base.MARKER_ATTR)))
-                value = getattr(value, "__wrapped__", None)
+            for name, wrapper in _fix_values(value):
+                code = getattr(getattr(wrapper, "__func__", wrapper), "__code__", None)
+                if name is not None and code is not None:
+                    codes.setdefault(code, (target, name))
     return codes
 
 

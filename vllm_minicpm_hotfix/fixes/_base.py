@@ -391,20 +391,18 @@ def set_attributes(fix: str, changes: Iterable[tuple[Any, str, Callable[[Any], A
     saved = _ORIGINALS[fix] = _ORIGINALS.pop(fix, {})  # (re)inserted last: the record is in apply order
     for owner, attr, old in undo:
         saved.setdefault((owner, attr), old)
-        inner = getattr(old, MARKER_ATTR, None)
-        if isinstance(inner, str) and inner != fix:  # a chain: this fix's wrapper calls the other fix's
-            _WRAPS.setdefault(fix, {})[f"{getattr(owner, '__qualname__', owner)}.{attr}"] = inner
-
-
-#: fix NAME -> {"Class.attr": NAME of the fix whose value its wrapper of that attribute calls}: the chains
-#: :func:`set_attributes` made in this process (two fixes on one attribute, the later wrapping the earlier).
-_WRAPS: dict[str, dict[str, str]] = {}
 
 
 def wraps_of(fix: str) -> dict[str, str]:
-    """The chains ``fix``'s values are the outer part of in this process (:data:`_WRAPS`): ``"Class.attr"`` -> the
-    inner fix's NAME; empty where it set no attribute another fix had set."""
-    return dict(_WRAPS.get(fix, {}))
+    """The chains ``fix``'s values are the outer part of in this process: ``"Class.attr"`` -> the NAME of the fix
+    whose value ``fix`` replaced (and its wrapper calls) there, read from the values :func:`set_attributes` kept for
+    :func:`revert_fix`; empty where ``fix`` set no attribute another fix had set."""
+    out = {}
+    for (owner, attr), old in _ORIGINALS.get(fix, {}).items():
+        inner = getattr(old, MARKER_ATTR, None)
+        if isinstance(inner, str) and inner != fix:
+            out[f"{getattr(owner, '__qualname__', owner)}.{attr}"] = inner
+    return out
 
 
 def shared_targets(registry: Iterable[ModuleType] | None = None) -> dict[str, tuple[str, ...]]:
@@ -433,7 +431,6 @@ def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
     keys = [k for k in saved if module is None or _owner_module(k[0]) == module.__name__]
     if keys:
         _deferred.forget(fix)  # a trigger reverted before its first use: nothing left to probe
-        _WRAPS.pop(fix, None)
     undo = []
     for owner, attr in keys:
         old = saved.pop((owner, attr))
