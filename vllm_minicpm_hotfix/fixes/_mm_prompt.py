@@ -36,6 +36,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -373,6 +374,39 @@ def _rows_text(hf: Any, pad: str, source: int, grid: Sequence[int], per_slice: S
     return text
 
 
+#: Texts :func:`image_text` / :func:`video_text` built: (function, id of transformers' processor, id of its image
+#: processor, the sizes, the effective kwargs, the index) -> (weak references to the two processors, text). The text
+#: is a pure function of these (the processors' own sizing methods and tokens, which vLLM builds once per model and
+#: never changes); a server sees the same few sizes over and over. An entry counts only while its references still
+#: point at the very objects (an id is never taken for a later object's); bounded (:data:`_TEXTS_LIMIT`).
+_TEXTS: dict[tuple[Any, ...], tuple[Any, Any, str]] = {}
+_TEXTS_LIMIT = 1024
+
+
+def _memo_text(build: Callable[..., str]) -> Callable[..., str]:
+    @functools.wraps(build)
+    def text(hf_processor: Any, image_processor: Any, sizes: Any, eff: Mapping[str, Any], idx: int) -> str:
+        try:
+            key = (build, id(hf_processor), id(image_processor), tuple(sizes), tuple(eff.items()), idx)
+            hit = _TEXTS.get(key)
+        except TypeError:  # an unhashable value: build it every time
+            return build(hf_processor, image_processor, sizes, eff, idx)
+        if hit is not None and hit[0]() is hf_processor and hit[1]() is image_processor:
+            return hit[2]
+        out = build(hf_processor, image_processor, sizes, eff, idx)
+        try:
+            refs = weakref.ref(hf_processor), weakref.ref(image_processor)
+        except TypeError:  # not weakly referenceable: not kept
+            return out
+        if len(_TEXTS) >= _TEXTS_LIMIT:
+            _TEXTS.clear()
+        _TEXTS[key] = (*refs, out)
+        return out
+
+    return text
+
+
+@_memo_text
 def image_text(hf_processor: Any, image_processor: Any, hw: tuple[int, int], eff: Mapping[str, Any], idx: int) -> str:
     """The text transformers' ``MiniCPMV4_6Processor`` puts in place of image ``idx`` of ``hw`` = ``(height, width)``
     pixels processed with ``eff`` (see :func:`effective_kwargs`), ``<image_id>`` prefix included when
@@ -391,6 +425,7 @@ def image_text(hf_processor: Any, image_processor: Any, hw: tuple[int, int], eff
     return (local_id(hf_processor, idx, "image_token") if eff["use_image_id"] else "") + text
 
 
+@_memo_text
 def video_text(
     hf_processor: Any, image_processor: Any, frames_hw: Sequence[tuple[int, int]], eff: Mapping[str, Any], idx: int
 ) -> str:

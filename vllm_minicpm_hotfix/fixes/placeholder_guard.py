@@ -74,6 +74,7 @@ import sys
 import functools
 import inspect
 import types
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -118,7 +119,7 @@ def _flag(value: Any) -> bool | None:
         import torch
 
         if isinstance(value, torch.Tensor):
-            return bool(value.any().item()) if value.numel() else None
+            return any(value.reshape(-1).tolist()) if value.numel() else None
     except ImportError:  # pragma: no cover - vLLM always has torch
         pass
     if isinstance(value, (list, tuple)):
@@ -143,25 +144,45 @@ def item_data(item: Any) -> Mapping[str, Any]:
     return {k: getattr(v, "data", v) for k, v in dict(item).items()}
 
 
-def expected_embeddings(modality: str, item: Any, hf_config: Any) -> tuple[int, str] | None:
-    """``(embeddings, description)`` the model will produce for one processed item, or None if it is not judged
-    (an unknown modality, embeddings given directly, no ``tgt_sizes``)."""
+def _field(item: Any, name: str) -> Any:
+    """One field's tensor of a ``MultiModalKwargsItem`` (``item_data(item).get(name)``, without the others)."""
+    elem = item.get(name) if hasattr(item, "get") else None
+    return getattr(elem, "data", elem)
+
+
+def _grid_and_flag(modality: str, item: Any, hf_config: Any) -> tuple[list[list[int]], bool] | None:
+    """The item's per-slice ``[h, w]`` patch grid and whether the vit_merger runs for it, or None if it is not
+    judged (an unknown modality, embeddings given directly, no ``tgt_sizes``)."""
     if modality not in FIELDS:
         return None
     sizes_field, flag_field, _, _ = FIELDS[modality]
-    data = item_data(item)
-    sizes = data.get(sizes_field)
+    sizes = _field(item, sizes_field)
     if sizes is None:
         return None
-    flag = _flag(data.get(flag_field))
+    flag = _flag(_field(item, flag_field))
     if flag is None:
         flag = default_use_vit_merger(hf_config)
-    grid = [[int(v) for v in row] for row in sizes.reshape(-1, 2).tolist()]
-    total = sum(embeddings_per_slice(h, w, flag) for h, w in grid)
+    return sizes.reshape(-1, 2).tolist(), flag
+
+
+def _total(grid: list[list[int]], flag: bool) -> int:
+    return sum(embeddings_per_slice(int(h), int(w), flag) for h, w in grid)
+
+
+def _describe(modality: str, grid: list[list[int]], flag: bool) -> str:
+    grid = [[int(v) for v in row] for row in grid]
     shown = grid if len(grid) <= 6 else [*grid[:5], "..."]
-    what = (f"{len(grid)} slice{'s' if len(grid) != 1 else ''}, {sizes_field} {shown} patches, "
+    return (f"{len(grid)} slice{'s' if len(grid) != 1 else ''}, {FIELDS[modality][0]} {shown} patches, "
             f"{'16x' if flag else '4x'}")
-    return total, what
+
+
+def expected_embeddings(modality: str, item: Any, hf_config: Any) -> tuple[int, str] | None:
+    """``(embeddings, description)`` the model will produce for one processed item, or None if it is not judged
+    (an unknown modality, embeddings given directly, no ``tgt_sizes``)."""
+    found = _grid_and_flag(modality, item, hf_config)
+    if found is None:
+        return None
+    return _total(*found), _describe(modality, *found)
 
 
 @functools.lru_cache(maxsize=64)
@@ -182,9 +203,55 @@ def _arity(fn: Any) -> int:
         return 2
 
 
-def _call_is_embed(is_embed: Any, tokenizer: Any, full: Any) -> Any:
-    """vLLM's ``PromptUpdateDetails.is_embed``: ``(tokenizer, full)`` in 0.22-0.31, ``(full)`` in 0.32+."""
-    return is_embed(tokenizer, full) if _arity(is_embed) >= 2 else is_embed(full)
+#: (``is_embed``'s code, its closure's values, the content[, id of the tokenizer]) -> (a weak reference to the
+#: tokenizer or None, count): the
+#: embedding positions :func:`placeholder_embeds` counted for a content. ``is_embed`` is vLLM's
+#: ``PromptUpdateDetails.select_token_id`` / ``select_text`` closure, made anew per request and a pure function of
+#: its closure and its arguments, and a server sees the same few contents (one per image size and kwargs) over and
+#: over; bounded (:data:`_EMBEDS_LIMIT`), and skipped for a closure whose values cannot be hashed.
+_EMBEDS: dict[tuple[Any, ...], tuple[Any, int]] = {}
+_EMBEDS_LIMIT = 1024
+
+
+def _embeds_key(is_embed: Any, full: Any, two: bool, tokenizer: Any) -> tuple[Any, ...] | None:
+    code = getattr(is_embed, "__code__", None)
+    if code is None or type(is_embed) is not types.FunctionType:
+        return None
+    try:
+        cells = tuple(_plain(c.cell_contents) for c in is_embed.__closure__ or ())
+        key = (code, cells, full if isinstance(full, str) else tuple(full), id(tokenizer) if two else None)
+        hash(key)
+    except (TypeError, ValueError):  # an empty cell, a value that is not plain data
+        return None
+    return key
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a hashable key part if it is plain data (token ids, a text), else ``TypeError``."""
+    if value is None or isinstance(value, (bool, int, str, bytes)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    raise TypeError(type(value).__name__)
+
+
+def _count_embeds(is_embed: Any, tokenizer: Any, full: Any) -> int:
+    """``int(is_embed(...).sum())`` -- vLLM's own mask over ``full`` -- computed once per distinct content."""
+    two = _arity(is_embed) >= 2
+    key = _embeds_key(is_embed, full, two, tokenizer)
+    hit = _EMBEDS.get(key) if key is not None else None
+    if hit is not None and (not two or hit[0]() is tokenizer):
+        return hit[1]
+    count = int((is_embed(tokenizer, full) if two else is_embed(full)).sum())
+    if key is not None:
+        try:
+            ref = weakref.ref(tokenizer) if two else None
+        except TypeError:  # not weakly referenceable: not kept
+            return count
+        if len(_EMBEDS) >= _EMBEDS_LIMIT:
+            _EMBEDS.clear()
+        _EMBEDS[key] = (ref, count)
+    return count
 
 
 def placeholder_embeds(updates: Sequence[Any], tokenizer: Any) -> int | None:
@@ -197,7 +264,7 @@ def placeholder_embeds(updates: Sequence[Any], tokenizer: Any) -> int | None:
         full = getattr(content, "full", content)
         is_embed = getattr(content, "is_embed", None)
         if is_embed is not None:
-            return int(_call_is_embed(is_embed, tokenizer, full).sum())
+            return _count_embeds(is_embed, tokenizer, full)
         if isinstance(full, str):
             return len(tokenizer.encode(full, add_special_tokens=False))
         return len(full)
@@ -226,19 +293,20 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
                 continue
             if hf_config is None:
                 hf_config = info.get_hf_config()
-            expected = expected_embeddings(modality, item, hf_config)
-            if expected is None:
+            found = _grid_and_flag(modality, item, hf_config)
+            if found is None:
                 continue
+            expected = _total(*found)
             if tokenizer is None:
                 tokenizer = info.get_tokenizer()
             pads = placeholder_embeds(item_updates[pos], tokenizer)
-            if pads is None or pads == expected[0]:
+            if pads is None or pads == expected:
                 continue
             index = indices[modality][pos] if indices is not None else pos
             pad_text = getattr(tokenizer, FIELDS[modality][2], None) or FIELDS[modality][3]
             raise PlaceholderMismatchError(
                 f"{_base.model_of(processor) or 'MiniCPM-V'}: {modality} item {index} of this request has {pads} {pad_text} placeholder tokens in "
-                f"the prompt, but its processed pixel values give {expected[0]} vision embeddings ({expected[1]}). "
+                f"the prompt, but its processed pixel values give {expected} vision embeddings ({_describe(modality, *found)}). "
                 "vLLM would fail inside the engine on this request (and take every request in flight with it), so "
                 "it is refused; check its mm_processor_kwargs (slice_mode, max_slice_nums, scale_resolution, "
                 "downsample_mode) -- vllm-minicpm-hotfix placeholder_guard"
