@@ -12,20 +12,22 @@ in every vLLM release 0.26.0-0.33.0.
 Importing this module does not import vLLM (``import vllm`` takes ~30 s); the functions do.  Set
 ``VLLM_TARGET_DEVICE=cpu`` before calling them (done here with ``setdefault`` if unset).
 
-The file imports nothing of the package: tests/ray_driver.py runs its source in Ray actors of nodes that have no
-hotfix installed, so it lists and reads the checkpoint's files itself.
+The checkpoint's files are listed and read by :mod:`vllm_minicpm_hotfix.checkpoint`, the one module of the package
+this one imports: tests/ray_driver.py runs the two files' sources in Ray actors of nodes that have no hotfix
+installed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from ..checkpoint import iter_tensors, weight_files
 
 _DTYPES = {
     "float32": torch.float32,
@@ -69,30 +71,27 @@ def ensure_distributed(backend: str = "gloo") -> None:
 
 
 def checkpoint_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
-    """The checkpoint's safetensors files, in load order (sharded via ``model.safetensors.index.json`` or not)."""
-    d = Path(checkpoint_dir)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [d / name for name in sorted(set(weight_map.values()))]
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {d}")
-    return files
+    """The checkpoint's safetensors files, in vLLM's load order (:func:`vllm_minicpm_hotfix.checkpoint.weight_files`).
+
+    Raises:
+        vllm_minicpm_hotfix.checkpoint.CheckpointError: no safetensors file, an unreadable index, a missing shard.
+    """
+    return weight_files(checkpoint_dir)[0]
 
 
 def iter_checkpoint(checkpoint_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` from every safetensors file, fresh tensors on each call (vLLM may tag them)."""
-    from safetensors import safe_open
-
-    for f in checkpoint_files(checkpoint_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():
-                yield name, sf.get_tensor(name)
+    """``(name, CPU tensor)`` over every safetensors file, a fresh tensor on each call (vLLM may tag them):
+    :func:`vllm_minicpm_hotfix.checkpoint.iter_tensors`."""
+    return iter_tensors(checkpoint_dir)
 
 
 def checkpoint_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder by name (handles ``model.safetensors.index.json`` shards)."""
+    """All tensors of a checkpoint folder by name, on the CPU in the file's dtype (handles
+    ``model.safetensors.index.json`` shards).
+
+    Raises:
+        ValueError: a tensor name in two shards (and what :func:`iter_checkpoint` raises).
+    """
     out: dict[str, torch.Tensor] = {}
     for name, t in iter_checkpoint(checkpoint_dir):
         if name in out:
