@@ -24,6 +24,7 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -110,6 +111,33 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def construct_model(model_cls: type, vllm_config: Any, device: str = "cpu") -> Any:
+    """``model_cls(vllm_config=vllm_config)`` as vLLM's ``initialize_model`` (``model_loader/utils.py``) constructs
+    it: under the config, with vLLM's single-rank model-parallel groups (made here if there are none), the quant
+    config's layer lists mapped to the class's names (``configure_quant_config``; without it every GPTQ layer is
+    built unquantized), the model's dtype (:func:`model_dtype`) as torch's default dtype and ``device`` as the
+    default device. Not loaded. Call :func:`ensure_distributed` first. Raises what the constructor raises."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import initialize_model_parallel, model_parallel_is_initialized
+
+    with set_current_vllm_config(vllm_config):
+        if not model_parallel_is_initialized():
+            initialize_model_parallel(1, 1)
+        if vllm_config.quant_config is not None:
+            from vllm.model_executor.model_loader.utils import configure_quant_config
+
+            configure_quant_config(vllm_config.quant_config, model_cls)
+        with _default_dtype(model_dtype(vllm_config)), torch.device(device):
+            return model_cls(vllm_config=vllm_config)
+
+
+def model_dtype(vllm_config: Any) -> torch.dtype:
+    """``vllm_config.model_config.dtype`` as a ``torch.dtype`` (a string is torch's name, ``float`` and ``half``
+    included)."""
+    dtype = vllm_config.model_config.dtype
+    return (_DTYPES.get(dtype) or getattr(torch, dtype)) if isinstance(dtype, str) else dtype
+
+
 def make_vllm_config(checkpoint_dir: str | os.PathLike, dtype: str = "float32", **model_kwargs):
     """vLLM's ``VllmConfig`` for ``checkpoint_dir`` on CPU: ``ModelConfig(model=..., dtype=dtype,
     skip_tokenizer_init=True, enforce_eager=True, **model_kwargs)`` (``model_kwargs`` override those defaults)."""
@@ -134,28 +162,14 @@ def build_vllm_model(checkpoint_dir: str | os.PathLike, dtype: str = "float32", 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     ensure_distributed()
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import initialize_model_parallel, model_parallel_is_initialized
 
     if model_cls is None:
         from vllm.model_executor.models.minicpmv4_6 import MiniCPMV4_6ForConditionalGeneration as model_cls
 
     vllm_config = make_vllm_config(checkpoint_dir, dtype, **model_kwargs)
-    torch_dtype = vllm_config.model_config.dtype
-    if isinstance(torch_dtype, str):
-        torch_dtype = _DTYPES[torch_dtype]
-    if vllm_config.quant_config is not None:
-        # What vLLM's initialize_model (model_loader/utils.py) does before constructing the model: map the quant
-        # config's layer lists (read from the checkpoint in HF names) to vLLM's names and hand it the model's
-        # packed_modules_mapping. Without it every GPTQ layer is built unquantized.
-        from vllm.model_executor.model_loader.utils import configure_quant_config
-
-        configure_quant_config(vllm_config.quant_config, model_cls)
-    with set_current_vllm_config(vllm_config):
-        if not model_parallel_is_initialized():
-            initialize_model_parallel(1, 1)
-        with _default_dtype(torch_dtype), torch.device("cpu"):
-            model = model_cls(vllm_config=vllm_config)
-        if load:
+    model = construct_model(model_cls, vllm_config)
+    if load:
+        with set_current_vllm_config(vllm_config):
             model.load_weights(iter_checkpoint(checkpoint_dir))
     model.vllm_config = vllm_config  # handy for callers that run a forward pass under set_current_vllm_config
     return model.eval()
