@@ -118,9 +118,9 @@ def _no_safetensors(path: Path) -> BadInput:
 
 
 def read_header(path: Path) -> dict[str, TensorMeta]:
-    """``{name: TensorMeta}`` of the tensors one safetensors file declares (:func:`vllm_minicpm_hotfix.checkpoint.
-    read_header`: headers only, no torch), in the order ``safe_open(...).keys()`` gives them (sorted by name);
-    ``TensorMeta.nbytes`` is the element count times the dtype's bits, rounded up to bytes (0 bits for a dtype not
+    """``{name: TensorMeta}`` of the tensors one safetensors file declares
+    (:func:`vllm_minicpm_hotfix.checkpoint.read_header`: headers only, no torch), in the order
+    ``safe_open(...).keys()`` gives them (sorted by name); ``TensorMeta.nbytes`` is the element count times the dtype's bits, rounded up to bytes (0 bits for a dtype not
     in ``_DTYPES``).
 
     Raises:
