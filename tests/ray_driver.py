@@ -12,7 +12,8 @@ folder -- never from the repository: Ray puts the driver's script folder and wor
     with vLLM's own ``env_vars`` added. Each actor calls ``vllm.plugins.load_general_plugins()`` as vLLM's worker does
     (``WorkerWrapperBase.init_worker``), then builds vLLM's ``MiniCPMV4_6ForConditionalGeneration`` on CPU and loads the
     checkpoint with ``model.load_weights`` (``vllm_minicpm_hotfix/cli/vllm_cpu.py``'s ``build_vllm_model``, whose source
-    the driver hands over, so the actor needs nothing of the hotfix on its node), then compares the vit_merger
+    the driver hands over with that of ``vllm_minicpm_hotfix/checkpoint.py``, the one module it imports, so the
+    actor needs nothing of the hotfix on its node), then compares the vit_merger
     ``qkv_proj`` with ``cat(q, k, v)`` of the checkpoint's own tensors (read with safetensors). The actors' log lines
     reach this process's stdout through Ray, prefixed ``(MiniCPMLoader pid=N, ip=IP)``; the results go to RESULT.json.
 
@@ -61,7 +62,7 @@ def actors(out: str) -> None:
 
     @ray.remote
     class MiniCPMLoader:
-        def load(self, ckpt: str, vllm_cpu_source: str) -> dict:
+        def load(self, ckpt: str, sources: dict) -> dict:
             import types
 
             facts: dict = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
@@ -69,8 +70,15 @@ def actors(out: str) -> None:
             arm = sys.modules.get("_vllm_minicpm_hotfix_arm")
             facts["armed_at_startup"] = getattr(arm, "source", None)
             try:
-                vllm_cpu = types.ModuleType("ray_test_vllm_cpu")
-                exec(compile(vllm_cpu_source, "vllm_cpu.py", "exec"), vllm_cpu.__dict__)  # noqa: S102 - test code
+                # vllm_cpu.py imports ..checkpoint: both run as modules of a stand-in package (not the hotfix's name)
+                for pkg in ("ray_test_hotfix", "ray_test_hotfix.cli"):
+                    sys.modules[pkg] = types.ModuleType(pkg)
+                    sys.modules[pkg].__path__ = []
+                for name, src in sources.items():  # the checkpoint reader first
+                    mod = sys.modules[name] = types.ModuleType(name)
+                    mod.__package__ = name.rpartition(".")[0]
+                    exec(compile(src, name.rpartition(".")[2] + ".py", "exec"), mod.__dict__)  # noqa: S102 - test code
+                vllm_cpu = sys.modules["ray_test_hotfix.cli.vllm_cpu"]
                 import torch
                 import vllm
                 from vllm.plugins import load_general_plugins
@@ -103,14 +111,17 @@ def actors(out: str) -> None:
             sys.stderr.flush()
             return facts
 
-    source = open(os.environ["VLLM_CPU_PY"], encoding="utf-8").read()
+    vllm_cpu_py = os.environ["VLLM_CPU_PY"]
+    sources = {"ray_test_hotfix.checkpoint": os.path.join(os.path.dirname(vllm_cpu_py), os.pardir, "checkpoint.py"),
+               "ray_test_hotfix.cli.vllm_cpu": vllm_cpu_py}
+    sources = {name: open(path, encoding="utf-8").read() for name, path in sources.items()}
     nodes = sys.argv[3].split(",")
     runtime_env = worker_runtime_env(ray)
     handles = [
         MiniCPMLoader.options(num_cpus=0, resources={node: 0.01}, runtime_env=runtime_env).remote()
         for node in nodes
     ]
-    results = dict(zip(nodes, ray.get([h.load.remote(os.environ["CKPT"], source) for h in handles], timeout=600)))
+    results = dict(zip(nodes, ray.get([h.load.remote(os.environ["CKPT"], sources) for h in handles], timeout=600)))
     addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     for r in results.values():
         r["node_ip"] = addresses.get(r["node_id"])

@@ -4,7 +4,7 @@
 * ``pip install`` -> ``vllm-minicpm-hotfix.pth`` (_vllm_minicpm_hotfix_arm.py, then vllm_minicpm_hotfix/_bootstrap.py
   at ``import vllm``) and the ``vllm.general_plugins`` entry point (vllm_minicpm_hotfix/plugin.py);
 * PYTHONPATH injection -> the top-level ``sitecustomize.py``, alone or in a ``vllm-minicpm-hotfix bundle`` folder
-  (vllm_minicpm_hotfix/bundle.py) with its pure-Python wrapt.
+  (vllm_minicpm_hotfix/cli/bundle.py) with its pure-Python wrapt.
 
 "Installed" always means a throwaway overlay of this environment (tests/e2e/__init__.py), never the shared one.
 Only three tests import vLLM (~30 s each); the rest start bare interpreters (~50 ms).
@@ -25,7 +25,8 @@ from e2e import clean_env, overlay_env, pip_install, site_packages, source_copy
 from hotfix_log import patched_pids, summaries
 from support.programs import run_program, run_reporting
 
-from vllm_minicpm_hotfix import _bootstrap, bundle
+from vllm_minicpm_hotfix import _bootstrap
+from vllm_minicpm_hotfix.cli import bundle
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 

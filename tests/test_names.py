@@ -17,7 +17,8 @@ import re
 import pytest
 from conftest import FULL_ENVS, REPO
 
-from vllm_minicpm_hotfix import _bootstrap, bundle, decision, hook, plugin
+from vllm_minicpm_hotfix import _bootstrap, decision, hook, plugin
+from vllm_minicpm_hotfix.cli import bundle
 from vllm_minicpm_hotfix.cli.doctor import facts as doctor_facts
 from vllm_minicpm_hotfix.fixes import qkv_loader
 

@@ -634,7 +634,7 @@ def test_unrecognised_vllm_layout_real_interpreter(tmp_path, mode):
 
 
 # ====================================================================================================================
-# 3. Activation paths (vllm_minicpm_hotfix/_bootstrap.py, plugin.py, bundle.py, sitecustomize.py)
+# 3. Activation paths (vllm_minicpm_hotfix/_bootstrap.py, plugin.py, cli/bundle.py, sitecustomize.py)
 # ====================================================================================================================
 
 

@@ -12,7 +12,7 @@ Three paths call :func:`install_now`:
 * :func:`vllm_minicpm_hotfix.install` goes straight to :func:`vllm_minicpm_hotfix.hook.install`.
 
 ``wrapt``: an installed one always wins. Only when the environment has none is the pure-Python copy a bundle ships
-in ``<bundle>/_vllm_minicpm_hotfix_vendor`` (next to this package, see :mod:`vllm_minicpm_hotfix.bundle`) appended
+in ``<bundle>/_vllm_minicpm_hotfix_vendor`` (next to this package, see :mod:`vllm_minicpm_hotfix.cli.bundle`) appended
 to the *end* of ``sys.path``.
 
 ``VLLM_MINICPM_HOTFIX=off``: :func:`install_now` does nothing (the start-up module does not even arm). An explicit

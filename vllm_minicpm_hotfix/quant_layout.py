@@ -1,6 +1,7 @@
 """How a quantized MiniCPM-V 4.6 checkpoint stores its layers, read from its safetensors headers alone.
 
-Pure functions over a checkpoint folder (nothing here imports vLLM or torch at import time; no tensor data is read):
+Pure functions over a checkpoint folder (the headers come from :mod:`vllm_minicpm_hotfix.checkpoint`; nothing here
+imports vLLM or torch, and no tensor data is read):
 the post-import fix :mod:`vllm_minicpm_hotfix.fixes.quantized_vision` decides from them which vision layers vLLM
 must build quantized, and ``doctor --model`` / ``verify --model`` report them next to what vLLM would build
 (:mod:`vllm_minicpm_hotfix.cli.quant_report`).
@@ -17,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+# The quantized_vision fix reads TensorInfo and read_tensor_info from here too: one lazy import for the fix.
+from .checkpoint import TensorInfo, read_tensor_info
 
 #: safetensors dtype strings of unquantized (floating) tensors.
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
@@ -28,12 +31,6 @@ FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 VISION_PREFIXES = ("model.vision_tower.", "model.merger.", "model.vpm.", "model.vit_merger.")
 #: Files vLLM reads a quantization config from besides ``config.json``'s ``quantization_config``.
 QUANT_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    dtype: str  #: safetensors dtype string, e.g. "BF16", "I32", "U8"
-    shape: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,97 +54,6 @@ class ModuleStorage:
     def describe(self) -> str:
         kind = "quantized" if self.quantized else "float"
         return f"{kind} ({', '.join(f'{s} {d}' for s, d in zip(self.suffixes, self.dtypes))})"
-
-
-class LayoutError(ValueError):
-    """The checkpoint folder cannot be read as a safetensors checkpoint."""
-
-
-class TensorHeaderError(LayoutError):
-    """safetensors failed on one tensor of a file's header: :attr:`path` and :attr:`tensor` name it, the exception
-    safetensors raised is the ``__cause__``."""
-
-    def __init__(self, path: Path, tensor: str, exc: BaseException) -> None:
-        super().__init__(f"{path}: tensor {tensor}: {type(exc).__name__}: {exc}")
-        self.path, self.tensor = path, tensor
-
-
-def _natural_key(path: Path) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, ValueError) as exc:
-        raise LayoutError(f"{index}: unreadable ({' '.join(str(exc).split())[:600]})") from exc
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise LayoutError(f"{index}: unreadable (no weight_map)")
-    return weight_map
-
-
-def weight_files(folder: str | os.PathLike) -> tuple[list[Path], dict[str, str] | None]:
-    """``(the folder's safetensors files in load order, the index's weight_map or None)``: the files
-    ``model.safetensors.index.json`` names if there is one, else every ``*.safetensors``; naturally sorted
-    (``model-2-of-10`` before ``model-10-of-10``), the order vLLM's ``safetensors_weights_iterator`` loads them in.
-
-    Raises:
-        LayoutError: no safetensors file (naming the ``.bin``/``.pt``/``.gguf`` files found instead), an unreadable
-            index, or a shard the index lists that is missing.
-    """
-    d = Path(folder)
-    index = d / "model.safetensors.index.json"
-    if not index.is_file():
-        files = sorted(d.glob("*.safetensors"), key=_natural_key)
-        if not files:
-            other = sorted(p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-            extra = f" (found {', '.join(other[:3])}: only safetensors weights are read)" if other else ""
-            raise LayoutError(f"{d}: no *.safetensors weights{extra}")
-        return files, None
-    weight_map = _read_index(index)
-    files = sorted({d / name for name in weight_map.values()}, key=_natural_key)
-    for f in files:
-        if not f.is_file():
-            raise LayoutError(f"{d}: shard {f.name} listed in {index.name} is missing")
-    return files, weight_map
-
-
-def read_header(path: str | os.PathLike) -> Iterator[tuple[str, TensorInfo]]:
-    """``(tensor name, TensorInfo)`` for each tensor one safetensors file declares, in the order
-    ``safetensors.safe_open(...).keys()`` gives them (sorted by name): ``safe_open(..., framework="numpy")`` and
-    ``get_slice(name)``, dtype and shape only, no data read, no torch.
-
-    Raises:
-        TensorHeaderError: safetensors failed on one tensor's entry.
-        OSError, safetensors.SafetensorError: what ``safe_open`` raises on an unreadable, truncated or corrupt file.
-    """
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as sf:
-        for name in sf.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-            try:
-                sl = sf.get_slice(name)
-                info = TensorInfo(str(sl.get_dtype()), tuple(int(x) for x in sl.get_shape()))
-            except Exception as exc:
-                raise TensorHeaderError(Path(path), name, exc) from exc
-            yield name, info
-
-
-def read_tensor_info(folder: str | os.PathLike) -> dict[str, TensorInfo]:
-    """``{tensor name: TensorInfo}`` of every tensor in the folder, from the safetensors headers (:func:`read_header`
-    over :func:`weight_files`).
-
-    Raises:
-        LayoutError: see :func:`weight_files`, or a tensor name in two files.
-    """
-    out: dict[str, TensorInfo] = {}
-    for f in weight_files(folder)[0]:
-        for name, info in read_header(f):
-            if name in out:
-                raise LayoutError(f"tensor {name} is in more than one file of {folder}")
-            out[name] = info
-    return out
 
 
 def split_name(name: str) -> tuple[str, str]:

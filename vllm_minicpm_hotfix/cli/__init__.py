@@ -3,7 +3,7 @@
 Each command lives in its own module and is imported only when run, so ``--help`` stays instant:
 
 * ``bundle DIR``  -- write a self-contained folder for PYTHONPATH injection into an existing container
-  (:mod:`vllm_minicpm_hotfix.bundle`)
+  (:mod:`.bundle`)
 * ``doctor``      -- will the fix be active inside vLLM's processes here? (:mod:`.doctor`)
 * ``verify``      -- does this checkpoint load bit-exact through this vLLM? (:mod:`.verify`)
 """
@@ -15,7 +15,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "bundle": ("vllm_minicpm_hotfix.bundle", "write a self-contained folder to mount and name in PYTHONPATH"),
+    "bundle": ("vllm_minicpm_hotfix.cli.bundle", "write a self-contained folder to mount and name in PYTHONPATH"),
     "doctor": ("vllm_minicpm_hotfix.cli.doctor", "check that the hotfix will be active in vLLM's processes here"),
     "verify": ("vllm_minicpm_hotfix.cli.verify",
                "load a checkpoint through this vLLM and compare vit_merger bit for bit"),

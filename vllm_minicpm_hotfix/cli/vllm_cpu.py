@@ -12,20 +12,23 @@ in every vLLM release 0.26.0-0.33.0.
 Importing this module does not import vLLM (``import vllm`` takes ~30 s); the functions do.  Set
 ``VLLM_TARGET_DEVICE=cpu`` before calling them (done here with ``setdefault`` if unset).
 
-The file imports nothing of the package: tests/ray_driver.py runs its source in Ray actors of nodes that have no
-hotfix installed, so it lists and reads the checkpoint's files itself.
+The checkpoint's files are listed and read by :mod:`vllm_minicpm_hotfix.checkpoint`, the one module of the package
+this one imports: tests/ray_driver.py runs the two files' sources in Ray actors of nodes that have no hotfix
+installed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from ..checkpoint import iter_tensors, weight_files
 
 _DTYPES = {
     "float32": torch.float32,
@@ -69,30 +72,27 @@ def ensure_distributed(backend: str = "gloo") -> None:
 
 
 def checkpoint_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
-    """The checkpoint's safetensors files, in load order (sharded via ``model.safetensors.index.json`` or not)."""
-    d = Path(checkpoint_dir)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [d / name for name in sorted(set(weight_map.values()))]
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {d}")
-    return files
+    """The checkpoint's safetensors files, in vLLM's load order (:func:`vllm_minicpm_hotfix.checkpoint.weight_files`).
+
+    Raises:
+        vllm_minicpm_hotfix.checkpoint.CheckpointError: no safetensors file, an unreadable index, a missing shard.
+    """
+    return weight_files(checkpoint_dir)[0]
 
 
 def iter_checkpoint(checkpoint_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` from every safetensors file, fresh tensors on each call (vLLM may tag them)."""
-    from safetensors import safe_open
-
-    for f in checkpoint_files(checkpoint_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():
-                yield name, sf.get_tensor(name)
+    """``(name, CPU tensor)`` over every safetensors file, a fresh tensor on each call (vLLM may tag them):
+    :func:`vllm_minicpm_hotfix.checkpoint.iter_tensors`."""
+    return iter_tensors(checkpoint_dir)
 
 
 def checkpoint_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder by name (handles ``model.safetensors.index.json`` shards)."""
+    """All tensors of a checkpoint folder by name, on the CPU in the file's dtype (handles
+    ``model.safetensors.index.json`` shards).
+
+    Raises:
+        ValueError: a tensor name in two shards (and what :func:`iter_checkpoint` raises).
+    """
     out: dict[str, torch.Tensor] = {}
     for name, t in iter_checkpoint(checkpoint_dir):
         if name in out:
@@ -109,6 +109,33 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def construct_model(model_cls: type, vllm_config: Any, device: str = "cpu") -> Any:
+    """``model_cls(vllm_config=vllm_config)`` as vLLM's ``initialize_model`` (``model_loader/utils.py``) constructs
+    it: under the config, with vLLM's single-rank model-parallel groups (made here if there are none), the quant
+    config's layer lists mapped to the class's names (``configure_quant_config``; without it every GPTQ layer is
+    built unquantized), the model's dtype (:func:`model_dtype`) as torch's default dtype and ``device`` as the
+    default device. Not loaded. Call :func:`ensure_distributed` first. Raises what the constructor raises."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import initialize_model_parallel, model_parallel_is_initialized
+
+    with set_current_vllm_config(vllm_config):
+        if not model_parallel_is_initialized():
+            initialize_model_parallel(1, 1)
+        if vllm_config.quant_config is not None:
+            from vllm.model_executor.model_loader.utils import configure_quant_config
+
+            configure_quant_config(vllm_config.quant_config, model_cls)
+        with _default_dtype(model_dtype(vllm_config)), torch.device(device):
+            return model_cls(vllm_config=vllm_config)
+
+
+def model_dtype(vllm_config: Any) -> torch.dtype:
+    """``vllm_config.model_config.dtype`` as a ``torch.dtype`` (a string is torch's name, ``float`` and ``half``
+    included)."""
+    dtype = vllm_config.model_config.dtype
+    return (_DTYPES.get(dtype) or getattr(torch, dtype)) if isinstance(dtype, str) else dtype
 
 
 def make_vllm_config(checkpoint_dir: str | os.PathLike, dtype: str = "float32", **model_kwargs):
@@ -135,28 +162,14 @@ def build_vllm_model(checkpoint_dir: str | os.PathLike, dtype: str = "float32", 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     ensure_distributed()
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import initialize_model_parallel, model_parallel_is_initialized
 
     if model_cls is None:
         from vllm.model_executor.models.minicpmv4_6 import MiniCPMV4_6ForConditionalGeneration as model_cls
 
     vllm_config = make_vllm_config(checkpoint_dir, dtype, **model_kwargs)
-    torch_dtype = vllm_config.model_config.dtype
-    if isinstance(torch_dtype, str):
-        torch_dtype = _DTYPES[torch_dtype]
-    if vllm_config.quant_config is not None:
-        # What vLLM's initialize_model (model_loader/utils.py) does before constructing the model: map the quant
-        # config's layer lists (read from the checkpoint in HF names) to vLLM's names and hand it the model's
-        # packed_modules_mapping. Without it every GPTQ layer is built unquantized.
-        from vllm.model_executor.model_loader.utils import configure_quant_config
-
-        configure_quant_config(vllm_config.quant_config, model_cls)
-    with set_current_vllm_config(vllm_config):
-        if not model_parallel_is_initialized():
-            initialize_model_parallel(1, 1)
-        with _default_dtype(torch_dtype), torch.device("cpu"):
-            model = model_cls(vllm_config=vllm_config)
-        if load:
+    model = construct_model(model_cls, vllm_config)
+    if load:
+        with set_current_vllm_config(vllm_config):
             model.load_weights(iter_checkpoint(checkpoint_dir))
     model.vllm_config = vllm_config  # handy for callers that run a forward pass under set_current_vllm_config
     return model.eval()

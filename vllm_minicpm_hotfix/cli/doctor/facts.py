@@ -24,8 +24,8 @@ from typing import Any
 from ... import plugin
 from ..._bootstrap import ARM_MODULE, FINDER_FLAG, PTH_NAME, SITECUSTOMIZE_MARKER, START_NAME, VENDOR_DIR
 from .._util import one_line, vllm_distributions
-from ...bundle import MANIFEST as BUNDLE_MANIFEST
-from ...bundle import PACKAGE
+from ..bundle import MANIFEST as BUNDLE_MANIFEST
+from ..bundle import PACKAGE
 from ...hook import TARGET_MODULE
 
 #: The program run in the fresh interpreters, by path.

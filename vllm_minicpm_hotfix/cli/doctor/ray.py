@@ -61,7 +61,7 @@ def node_names() -> dict[str, Any]:
     """The names :func:`node_facts` looks for on a node, from the modules that define them (the node may not have
     the package: they travel as the task's argument)."""
     from ... import _bootstrap, plugin
-    from ...bundle import PACKAGE
+    from ..bundle import PACKAGE
     from ...decision import ENV_VAR, OFF_VALUES
 
     return {"plugin_group": plugin.GROUP, "plugin_name": plugin.NAME, "package": PACKAGE,

@@ -12,7 +12,7 @@ from typing import Any
 from ... import plugin
 from ..._bootstrap import PTH_NAME, START_NAME
 from .._util import one_line, print_table, print_verdict
-from ...bundle import PACKAGE
+from ..bundle import PACKAGE
 from .verdict import hook_active
 from ...hook import TARGET_MODULE
 

@@ -113,19 +113,14 @@ def build_model(ckpt: Checkpoint, module: Any, *, device: str, dtype: str, full:
 
 
 def _build(ckpt: Checkpoint, module: Any, *, device: str, dtype: str, encoder_only: bool) -> Built:
-    import torch
     from vllm.config import (
         DeviceConfig,
         ModelConfig,
         VllmConfig,
         set_current_vllm_config,
     )
-    from vllm.distributed.parallel_state import (
-        initialize_model_parallel,
-        model_parallel_is_initialized,
-    )
 
-    from ..vllm_cpu import _default_dtype, ensure_distributed
+    from ..vllm_cpu import construct_model, ensure_distributed, model_dtype
 
     ensure_distributed("gloo" if device == "cpu" else "nccl")
     kwargs: dict[str, Any] = {"model": str(ckpt.path), "skip_tokenizer_init": True, "dtype": dtype,
@@ -148,27 +143,17 @@ def _build(ckpt: Checkpoint, module: Any, *, device: str, dtype: str, encoder_on
 
         config_kwargs["cache_config"] = CacheConfig(enable_prefix_caching=False)
     vllm_config = VllmConfig(**config_kwargs)
-    torch_dtype = model_config.dtype
-    if isinstance(torch_dtype, str):
-        torch_dtype = getattr(torch, {"float": "float32", "half": "float16"}.get(torch_dtype, torch_dtype))
     with set_current_vllm_config(vllm_config):
-        if not model_parallel_is_initialized():
-            initialize_model_parallel(1, 1)
         try:
             from vllm.model_executor.model_loader.utils import get_model_architecture
 
             model_cls, _ = get_model_architecture(model_config)
         except Exception:  # noqa: BLE001 - an older/newer layout of vLLM's loader utils: the module's own class
             model_cls = getattr(module, ARCHITECTURE)
-        if vllm_config.quant_config is not None:  # as vLLM's initialize_model does (maps the quant config's lists)
-            from vllm.model_executor.model_loader.utils import configure_quant_config
-
-            configure_quant_config(vllm_config.quant_config, model_cls)
-        with _default_dtype(torch_dtype), torch.device(device):
-            model = model_cls(vllm_config=vllm_config)
+    model = construct_model(model_cls, vllm_config, device)
     if encoder_only and not getattr(model, "_language_model_names", None):
         encoder_only = False  # this vLLM's model class does not mark its language model: it was built in full
-    return Built(model, vllm_config, model_cls, encoder_only, torch_dtype)
+    return Built(model, vllm_config, model_cls, encoder_only, model_dtype(vllm_config))
 
 
 def language_model_filter(built: Built, ckpt: Checkpoint) -> Callable[[str], bool]:

@@ -1,16 +1,16 @@
-"""What ``verify`` gathers from the checkpoint: where it is, what it holds, and its tensors, read with safetensors.
+"""What ``verify`` gathers from the checkpoint: where it is, what it holds, and its tensors.
 
 * :func:`resolve_model` -- a directory, a hub id (huggingface_hub cache, else a download) or the bundled tiny model.
 * :func:`inspect_checkpoint` -- ``config.json`` says MiniCPM-V 4.6; the safetensors files (one, or shards listed in
   ``model.safetensors.index.json``) open with ``safetensors.safe_open`` -- which checks each header against the
   file's size, so a truncated or corrupt file fails here -- and hold the window-merger attention with the shapes the
   config implies. Reads headers only: no torch, no vLLM.
-* :func:`stream_checkpoint` / :func:`read_reference` -- the tensors, through ``safe_open(..., framework="pt")`` and
-  ``get_tensor``: the calls vLLM's own ``safetensors_weights_iterator``
-  (``vllm/model_executor/model_loader/weight_utils.py``) makes.
+* :func:`stream_checkpoint` / :func:`read_reference` -- the tensors, one ``safe_open(..., framework="pt")`` handle
+  per tensor.
 
-safetensors' errors (``SafetensorError: Error while deserializing header: ...``) name no file; :func:`unreadable`
-turns them, and ``OSError``, into one :class:`BadInput` line that names it. That is all the parsing done here.
+The files are listed and read by :mod:`vllm_minicpm_hotfix.checkpoint`. safetensors' errors (``SafetensorError:
+Error while deserializing header: ...``) name no file; :func:`unreadable` turns them, and ``OSError``, into one
+:class:`BadInput` line that names the file (and the tensor, when one tensor failed).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .._util import exc_line, one_line
-from ... import quant_layout
+from ... import checkpoint as reader
 from ...fixes.qkv_loader import MODEL_CLASS, SHARD_IDS
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-minicpm-v46"
@@ -117,62 +117,57 @@ def _no_safetensors(path: Path) -> BadInput:
                     f"it: is this the Python that runs vLLM?)")
 
 
-def _safe_open(path: Path, framework: str) -> Any:
-    try:
-        from safetensors import safe_open
-    except ImportError as exc:
-        raise _no_safetensors(path) from exc
-    try:
-        return safe_open(str(path), framework=framework, device="cpu")
-    except BaseException as exc:
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise unreadable(path, exc) from exc
-
-
 def read_header(path: Path) -> dict[str, TensorMeta]:
-    """The tensors one safetensors file declares (:func:`vllm_minicpm_hotfix.quant_layout.read_header`:
-    ``safe_open`` with ``framework="numpy"``, no torch), in the order ``safe_open(...).keys()`` gives them (sorted by
-    name).
+    """``{name: TensorMeta}`` of the tensors one safetensors file declares
+    (:func:`vllm_minicpm_hotfix.checkpoint.read_header`: headers only, no torch), in the order
+    ``safe_open(...).keys()`` gives them (sorted by name); ``TensorMeta.nbytes`` is the element count times the dtype's bits, rounded up to bytes (0 bits for a dtype not
+    in ``_DTYPES``).
 
     Raises:
         BadInput: the file is truncated, corrupt or unreadable (one line naming it), or safetensors is missing.
     """
     out: dict[str, TensorMeta] = {}
     try:
-        for name, info in quant_layout.read_header(path):
+        for name, info in reader.read_header(path):
             dtype, bits = _DTYPES.get(info.dtype, (info.dtype.lower(), 0))
             count = 1
             for d in info.shape:
                 count *= d
             out[name] = TensorMeta(path, dtype, info.shape, (count * bits + 7) // 8)
-    except quant_layout.TensorHeaderError as exc:  # one tensor's entry: name it
-        raise unreadable(path, exc.__cause__, exc.tensor) from exc.__cause__
-    except ImportError as exc:
-        raise _no_safetensors(path) from exc
-    except BaseException as exc:  # whatever safetensors raises on open (a Rust panic is a BaseException)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise unreadable(path, exc) from exc
+    except BaseException as exc:
+        raise _bad_file(path, exc) from _cause(exc)
     return out
 
 
-def read_tensor(path: Path, name: str) -> Any:
-    """One tensor, on the CPU, from its own ``safe_open`` handle.
+def _cause(exc: BaseException) -> BaseException:
+    return exc.__cause__ if isinstance(exc, reader.TensorError) and exc.__cause__ is not None else exc
 
-    One handle per tensor on purpose: ``get_tensor`` returns a view of a memory map of the whole file that lives as
-    long as the handle's tensors, so with one handle per file every page vLLM has read would stay in this process's
-    resident set on top of the model's copy until the file is done (docs/cli.md measures it: about twice the
-    memory). Opening costs a header parse (~1 ms on a 779-tensor checkpoint).
+
+def _bad_file(path: Path, exc: BaseException) -> BadInput:
+    """The :class:`BadInput` for what reading ``path`` raised: one tensor's failure names the tensor; no safetensors
+    says so; anything else safetensors raises on open (a Rust panic is a ``BaseException``) is :func:`unreadable`.
+    ``KeyboardInterrupt`` and ``SystemExit`` are re-raised."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        raise exc
+    if isinstance(exc, reader.TensorError):
+        return unreadable(path, _cause(exc), exc.tensor)
+    if isinstance(exc, ImportError):
+        return _no_safetensors(path)
+    return unreadable(path, exc)
+
+
+def read_tensor(path: Path, name: str) -> Any:
+    """Tensor ``name`` of ``path``, a CPU ``torch.Tensor``, from a ``safe_open`` handle of its own
+    (:func:`vllm_minicpm_hotfix.checkpoint.read_tensor` says why one per tensor).
 
     Raises:
-        BadInput: the file is unreadable (one line naming it and the tensor).
+        BadInput: the file is unreadable (one line naming it, and the tensor if the file opened), or safetensors is
+            missing.
     """
-    with _safe_open(path, "pt") as f:
-        try:
-            return f.get_tensor(name)
-        except Exception as exc:
-            raise unreadable(path, exc, name) from exc
+    try:
+        return reader.read_tensor(path, name)
+    except BaseException as exc:
+        raise _bad_file(path, exc) from _cause(exc)
 
 
 def stream_checkpoint(ckpt: Checkpoint, keep: Callable[[str], bool],
@@ -212,14 +207,14 @@ def _read_json(path: Path) -> dict:
 
 def weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     """``(safetensors files in load order, the index's weight_map or None)``
-    (:func:`vllm_minicpm_hotfix.quant_layout.weight_files`).
+    (:func:`vllm_minicpm_hotfix.checkpoint.weight_files`).
 
     Raises:
         BadInput: no weights, an unreadable index, or a shard it lists that is missing.
     """
     try:
-        return quant_layout.weight_files(path)
-    except quant_layout.LayoutError as exc:
+        return reader.weight_files(path)
+    except reader.CheckpointError as exc:
         raise BadInput(str(exc)) from exc
 
 

@@ -35,8 +35,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import __version__
-from ._bootstrap import ARM_MODULE, SITECUSTOMIZE_MARKER, VENDOR_DIR
+from .. import __version__
+from .._bootstrap import ARM_MODULE, SITECUSTOMIZE_MARKER, VENDOR_DIR
 
 PACKAGE = "vllm_minicpm_hotfix"
 MANIFEST = "vllm-minicpm-hotfix-bundle.json"
@@ -56,7 +56,8 @@ class BundleError(Exception):
 
 
 def package_dir() -> Path:
-    return Path(__file__).resolve().parent
+    """The ``vllm_minicpm_hotfix`` folder this module is in (the one a bundle copies)."""
+    return Path(__file__).resolve().parents[1]
 
 
 def sitecustomize_source() -> Path:
