@@ -95,71 +95,8 @@ _ImageSize = collections.namedtuple("_ImageSize", "width height")
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The views the wrapper runs vLLM's body against.
+# The wrapper.
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _call_with_mode(method: Any, mode: Any, args: tuple, kwargs: dict) -> Any:
-    """Call ``method(*args, **kwargs)``, adding ``downsample_mode=mode`` if ``method`` takes it and it is unbound.
-
-    ``method`` is the real processor's bound ``find_best_resize`` / ``get_refine_size``. Arguments that do not bind
-    are passed through unchanged, so the error is transformers' own. Returns what ``method`` returns
-    (``(height, width)`` ints).
-    """
-    if PARAM not in kwargs:
-        try:
-            sig = inspect.signature(method)
-        except (TypeError, ValueError):
-            sig = None
-        if sig is not None and PARAM in sig.parameters:
-            try:
-                bound = sig.bind_partial(*args, **kwargs)
-            except TypeError:
-                bound = None
-            if bound is not None and PARAM not in bound.arguments:
-                kwargs = {**kwargs, PARAM: mode}
-    return method(*args, **kwargs)
-
-
-class _ModeBoundImageProcessor:
-    """The real image processor, except that ``find_best_resize`` / ``get_refine_size`` get the resolved mode."""
-
-    __slots__ = ("_ip", "_mode")
-
-    def __init__(self, image_processor: Any, mode: Any) -> None:
-        object.__setattr__(self, "_ip", image_processor)
-        object.__setattr__(self, "_mode", mode)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_ip"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._ip, name, value)
-
-    def find_best_resize(self, *args: Any, **kwargs: Any) -> Any:
-        return _call_with_mode(self._ip.find_best_resize, self._mode, args, kwargs)
-
-    def get_refine_size(self, *args: Any, **kwargs: Any) -> Any:
-        return _call_with_mode(self._ip.get_refine_size, self._mode, args, kwargs)
-
-
-class _InfoView:
-    """``self`` for vLLM's ``_compute_visual_tokens``: the real ``ProcessingInfo`` but for ``get_image_processor``."""
-
-    __slots__ = ("_info", "_mode")
-
-    def __init__(self, info: Any, mode: Any) -> None:
-        object.__setattr__(self, "_info", info)
-        object.__setattr__(self, "_mode", mode)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_info"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._info, name, value)
-
-    def get_image_processor(self, *args: Any, **kwargs: Any) -> Any:
-        return _ModeBoundImageProcessor(self._info.get_image_processor(*args, **kwargs), self._mode)
 
 
 def _resolve_mode(info: Any, requested: Any) -> Any:
@@ -181,6 +118,8 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
     source_image_visual_tokens, patch_visual_tokens)`` -- and raises what the original raises. Arguments that do not
     bind to the original's signature are passed through untouched, so vLLM's own error surfaces.
     """
+    from ._proxies import ModeInfoView
+
     sig = inspect.signature(original)
     first = next(iter(sig.parameters))
     has_mode_param = PARAM in sig.parameters
@@ -196,7 +135,7 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
         mode = _resolve_mode(self, bound.arguments.get(PARAM))
         if has_mode_param:
             bound.arguments[PARAM] = mode
-        bound.arguments[first] = _InfoView(self, mode)
+        bound.arguments[first] = ModeInfoView(self, mode)
         return original(*bound.args, **bound.kwargs)
 
     _compute_visual_tokens.__vllm_minicpm_hotfix_original__ = original
@@ -235,33 +174,6 @@ def takes_mode(cls: type) -> dict[str, str]:
         if PARAM in params:
             out[name] = "required" if params[PARAM].default is inspect.Parameter.empty else "optional"
     return out
-
-
-class _RecordingImageProcessor:
-    """The real processor behind a recorder: each :data:`TARGETS` call vLLM makes is recorded as
-    ``(method, passed downsample_mode?)`` and forwarded, so transformers' own errors surface."""
-
-    def __init__(self, real: Any, calls: list) -> None:
-        self._real = real
-        self._calls = calls
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._real, name)
-        if name not in TARGETS:
-            return attr
-
-        @functools.wraps(attr)  # keeps the real signature visible (inspect.signature follows __wrapped__)
-        def record(*args: Any, **kwargs: Any) -> Any:
-            passed = PARAM in kwargs
-            if not passed:
-                try:
-                    passed = PARAM in inspect.signature(attr).bind_partial(*args, **kwargs).arguments
-                except TypeError:
-                    passed = False
-            self._calls.append((name, passed))
-            return attr(*args, **kwargs)
-
-        return record
 
 
 def probe(module: ModuleType) -> Verdict:
@@ -303,9 +215,11 @@ def probe(module: ModuleType) -> Verdict:
     described = ", ".join(f"{ip_cls.__name__}.{m}({PARAM}: {k})" for m, k in kinds.items())
 
     try:
+        from ._proxies import RecordingImageProcessor
+
         calls: list = []
         real = ip_cls.__new__(ip_cls)
-        recorder = _RecordingImageProcessor(real, calls)
+        recorder = RecordingImageProcessor(real, calls)
         info = info_cls.__new__(info_cls)
         # An instance attribute shadows the class's get_image_processor on this throw-away object only.
         info.__dict__["get_image_processor"] = lambda *a, **k: recorder
