@@ -25,9 +25,10 @@ is not touched). The wrapper resolves the mode exactly as vLLM's body does --
 ``self._get_downsample_mode(downsample_mode)``: the ``downsample_mode`` argument vLLM threads in from the request's
 ``mm_processor_kwargs`` (``MiniCPMV4_6MultiModalProcessor._resolve_downsample_mode``), else the processor's own
 ``downsample_mode`` (which carries the model-level ``mm_processor_kwargs``) -- then runs vLLM's *original* body against
-a per-call view of ``self`` whose ``get_image_processor()`` returns a view of the real image processor. That view adds
-``downsample_mode=<resolved mode>`` to ``find_best_resize`` / ``get_refine_size`` calls whose target signature has the
-parameter and that did not bind it; everything else (``get_sliced_grid``, ``patch_size``, ...) is the real processor.
+a per-call view of ``self`` (:class:`._proxies.ModeInfoView`) whose ``get_image_processor()`` returns a view of the
+real image processor (:class:`._proxies.ModeDefaultingImageProcessor`). That view adds ``downsample_mode=<resolved
+mode>`` to ``find_best_resize`` / ``get_refine_size`` calls whose target signature has the parameter and that did
+not bind it; everything else (``get_sliced_grid``, ``patch_size``, ...) is the real processor.
 So vLLM's count is computed by vLLM's own arithmetic on transformers' own sizes for the same mode the image processor
 resizes with (vLLM calls it as ``image_processor([image], **mm_kwargs)``, the same ``mm_kwargs``), and equals the number
 of ``<|image_pad|>`` tokens transformers' ``MiniCPMV4_6Processor`` inserts. The views are per call: no shared state is
@@ -44,10 +45,11 @@ The decision
 3. vLLM's behaviour: run vLLM's own ``_compute_visual_tokens`` on a stand-in ``ProcessingInfo`` (created without
    ``__init__``; no model, config or tokenizer needed) whose image processor is the real transformers class (also
    created without ``__init__``; its class defaults ``patch_size`` 14, ``scale_resolution`` 448, ``max_slice_nums`` 9
-   suffice) behind a recorder, for one unsliced and one sliced size. ``broken`` if it raises the ``TypeError`` naming
-   ``downsample_mode``, or if it calls a method that takes ``downsample_mode`` without passing it (a transformers that
-   made the argument optional would silently round every ``"4x"`` image as ``"16x"``: a misaligned count);
-   ``correct`` if vLLM passes it itself; ``undetermined`` if anything else goes wrong.
+   suffice) behind a recorder (:class:`._proxies.RecordingImageProcessor`), for one unsliced and one sliced size.
+   ``broken`` if it raises the ``TypeError`` naming ``downsample_mode``, or if it calls a method that takes
+   ``downsample_mode`` without passing it (a transformers that made the argument optional would silently round every
+   ``"4x"`` image as ``"16x"``: a misaligned count); ``correct`` if vLLM passes it itself; ``undetermined`` if
+   anything else goes wrong.
 
 ``VLLM_MINICPM_HOTFIX``: ``auto`` applies on ``broken``; ``off`` never; ``force`` applies wherever the fix is
 *applicable and safe* -- vLLM's layout recognised and transformers' methods take ``downsample_mode`` -- even when the
