@@ -279,13 +279,6 @@ def _params(cls: type, name: str) -> frozenset[str]:
         return frozenset()
 
 
-@functools.lru_cache(maxsize=64)
-def _signature(cls: type, name: str) -> inspect.Signature:
-    """The signature of ``cls.name`` bound to an instance (``self`` dropped)."""
-    sig = inspect.signature(getattr(cls, name))
-    return sig.replace(parameters=list(sig.parameters.values())[1:])
-
-
 def _mode_kw(image_processor: Any, name: str, mode: str) -> dict[str, str]:
     return {"downsample_mode": mode} if "downsample_mode" in _params(type(image_processor), name) else {}
 
@@ -349,19 +342,6 @@ def local_id(hf_processor: Any, idx: int, name: str) -> str:
     return prepend(hf_processor, [pad * (idx + 1)], [""] * (idx + 1), pad)[idx]
 
 
-class _SlicedAs:
-    """transformers' processor as ``replace_image_token`` / ``replace_video_token`` read it, except that its
-    ``slice_mode`` / ``video_slice_mode`` (the gate on the slice rows, set when the processor was built) are the
-    item's effective ``slice_mode``: a request's ``slice_mode: true`` over a model-level ``false`` slices the tensors
-    (vLLM hands the request's kwargs to the image processor), so its text must show the slices too."""
-
-    def __init__(self, hf_processor: Any, slice_mode: bool) -> None:
-        self._hf, self.slice_mode, self.video_slice_mode = hf_processor, bool(slice_mode), bool(slice_mode)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._hf, name)
-
-
 def _rows_text(hf: Any, pad: str, source: int, grid: Sequence[int], per_slice: Sequence[int], sliced: bool) -> str:
     """transformers' layout for a processor without ``replace_image_token``: source, then ``rows`` lines of ``cols``
     slices separated by ``\\n``."""
@@ -418,7 +398,10 @@ def image_text(hf_processor: Any, image_processor: Any, hw: tuple[int, int], eff
     replace = getattr(type(hf_processor), "replace_image_token", None)
     if callable(replace):
         inputs = {"grids": [grid], "num_patches_per_image": [len(sizes)], "target_sizes": np.asarray(sizes)}
-        text = replace(_SlicedAs(hf_processor, eff["slice_mode"]), inputs, image_idx=0, image_token_divisor=d)
+        from ._proxies import SlicedAsProcessor
+
+        view = SlicedAsProcessor(hf_processor, eff["slice_mode"])
+        text = replace(view, inputs, image_idx=0, image_token_divisor=d)
     else:
         counts = [h * w // d for h, w in sizes]
         text = _rows_text(hf_processor, token(hf_processor, "image_token"), counts[0], grid, counts[1:], True)
@@ -447,7 +430,10 @@ def video_text(
             "num_frames_per_video": [len(grids)],
             "grids_videos": np.asarray(grids),
         }
-        text = replace(_SlicedAs(hf_processor, eff["slice_mode"]), inputs, video_idx=0, video_token_divisor=d)
+        from ._proxies import SlicedAsProcessor
+
+        view = SlicedAsProcessor(hf_processor, eff["slice_mode"])
+        text = replace(view, inputs, video_idx=0, video_token_divisor=d)
     else:
         sliced = True
         pad = token(hf_processor, "video_token")
@@ -573,35 +559,14 @@ def stand_in_processor(proc_cls: type, info: Any) -> Any:
     return proc
 
 
-class ModeDefaultingImageProcessor:
-    """A transformers image processor whose ``find_best_resize`` / ``get_refine_size`` get ``downsample_mode`` (the
-    processor's own) when a caller does not pass it and the installed signature takes it: lets a probe run vLLM's
-    own placeholder arithmetic on a transformers >= 5.23 whether or not ``processor_downsample_mode`` is applied.
-    Everything else, calls included, is the real processor."""
+def __getattr__(name: str) -> Any:
+    """``ModeDefaultingImageProcessor``: :class:`._proxies.ModeDefaultingImageProcessor`, the transformers image
+    processor whose ``find_best_resize`` / ``get_refine_size`` get ``downsample_mode`` (the processor's own, or the
+    ``mode`` given) when a caller does not pass it and the installed signature takes it; lets a probe run vLLM's own
+    placeholder arithmetic on a transformers >= 5.23 whether or not ``processor_downsample_mode`` is applied.
+    Resolved on first use, so that importing this module needs no wrapt."""
+    if name == "ModeDefaultingImageProcessor":
+        from ._proxies import ModeDefaultingImageProcessor
 
-    def __init__(self, real: Any) -> None:
-        object.__setattr__(self, "_real", real)
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(object.__getattribute__(self, "_real"), name)
-        if name not in ("find_best_resize", "get_refine_size") or "downsample_mode" not in _params(
-            type(self._real), name
-        ):
-            return attr
-        sig = _signature(type(self._real), name)
-
-        def with_mode(*args: Any, **kwargs: Any) -> Any:
-            try:
-                if "downsample_mode" not in sig.bind_partial(*args, **kwargs).arguments:
-                    kwargs["downsample_mode"] = getattr(self._real, "downsample_mode", "16x")
-            except TypeError:
-                pass
-            return attr(*args, **kwargs)
-
-        return with_mode
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._real, name, value)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._real(*args, **kwargs)
+        return ModeDefaultingImageProcessor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

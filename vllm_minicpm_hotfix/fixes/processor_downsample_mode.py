@@ -25,9 +25,10 @@ is not touched). The wrapper resolves the mode exactly as vLLM's body does --
 ``self._get_downsample_mode(downsample_mode)``: the ``downsample_mode`` argument vLLM threads in from the request's
 ``mm_processor_kwargs`` (``MiniCPMV4_6MultiModalProcessor._resolve_downsample_mode``), else the processor's own
 ``downsample_mode`` (which carries the model-level ``mm_processor_kwargs``) -- then runs vLLM's *original* body against
-a per-call view of ``self`` whose ``get_image_processor()`` returns a view of the real image processor. That view adds
-``downsample_mode=<resolved mode>`` to ``find_best_resize`` / ``get_refine_size`` calls whose target signature has the
-parameter and that did not bind it; everything else (``get_sliced_grid``, ``patch_size``, ...) is the real processor.
+a per-call view of ``self`` (:class:`._proxies.ModeInfoView`) whose ``get_image_processor()`` returns a view of the
+real image processor (:class:`._proxies.ModeDefaultingImageProcessor`). That view adds ``downsample_mode=<resolved
+mode>`` to ``find_best_resize`` / ``get_refine_size`` calls whose target signature has the parameter and that did
+not bind it; everything else (``get_sliced_grid``, ``patch_size``, ...) is the real processor.
 So vLLM's count is computed by vLLM's own arithmetic on transformers' own sizes for the same mode the image processor
 resizes with (vLLM calls it as ``image_processor([image], **mm_kwargs)``, the same ``mm_kwargs``), and equals the number
 of ``<|image_pad|>`` tokens transformers' ``MiniCPMV4_6Processor`` inserts. The views are per call: no shared state is
@@ -44,10 +45,11 @@ The decision
 3. vLLM's behaviour: run vLLM's own ``_compute_visual_tokens`` on a stand-in ``ProcessingInfo`` (created without
    ``__init__``; no model, config or tokenizer needed) whose image processor is the real transformers class (also
    created without ``__init__``; its class defaults ``patch_size`` 14, ``scale_resolution`` 448, ``max_slice_nums`` 9
-   suffice) behind a recorder, for one unsliced and one sliced size. ``broken`` if it raises the ``TypeError`` naming
-   ``downsample_mode``, or if it calls a method that takes ``downsample_mode`` without passing it (a transformers that
-   made the argument optional would silently round every ``"4x"`` image as ``"16x"``: a misaligned count);
-   ``correct`` if vLLM passes it itself; ``undetermined`` if anything else goes wrong.
+   suffice) behind a recorder (:class:`._proxies.RecordingImageProcessor`), for one unsliced and one sliced size.
+   ``broken`` if it raises the ``TypeError`` naming ``downsample_mode``, or if it calls a method that takes
+   ``downsample_mode`` without passing it (a transformers that made the argument optional would silently round every
+   ``"4x"`` image as ``"16x"``: a misaligned count); ``correct`` if vLLM passes it itself; ``undetermined`` if
+   anything else goes wrong.
 
 ``VLLM_MINICPM_HOTFIX``: ``auto`` applies on ``broken``; ``off`` never; ``force`` applies wherever the fix is
 *applicable and safe* -- vLLM's layout recognised and transformers' methods take ``downsample_mode`` -- even when the
@@ -95,71 +97,8 @@ _ImageSize = collections.namedtuple("_ImageSize", "width height")
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The views the wrapper runs vLLM's body against.
+# The wrapper.
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _call_with_mode(method: Any, mode: Any, args: tuple, kwargs: dict) -> Any:
-    """Call ``method(*args, **kwargs)``, adding ``downsample_mode=mode`` if ``method`` takes it and it is unbound.
-
-    ``method`` is the real processor's bound ``find_best_resize`` / ``get_refine_size``. Arguments that do not bind
-    are passed through unchanged, so the error is transformers' own. Returns what ``method`` returns
-    (``(height, width)`` ints).
-    """
-    if PARAM not in kwargs:
-        try:
-            sig = inspect.signature(method)
-        except (TypeError, ValueError):
-            sig = None
-        if sig is not None and PARAM in sig.parameters:
-            try:
-                bound = sig.bind_partial(*args, **kwargs)
-            except TypeError:
-                bound = None
-            if bound is not None and PARAM not in bound.arguments:
-                kwargs = {**kwargs, PARAM: mode}
-    return method(*args, **kwargs)
-
-
-class _ModeBoundImageProcessor:
-    """The real image processor, except that ``find_best_resize`` / ``get_refine_size`` get the resolved mode."""
-
-    __slots__ = ("_ip", "_mode")
-
-    def __init__(self, image_processor: Any, mode: Any) -> None:
-        object.__setattr__(self, "_ip", image_processor)
-        object.__setattr__(self, "_mode", mode)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_ip"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._ip, name, value)
-
-    def find_best_resize(self, *args: Any, **kwargs: Any) -> Any:
-        return _call_with_mode(self._ip.find_best_resize, self._mode, args, kwargs)
-
-    def get_refine_size(self, *args: Any, **kwargs: Any) -> Any:
-        return _call_with_mode(self._ip.get_refine_size, self._mode, args, kwargs)
-
-
-class _InfoView:
-    """``self`` for vLLM's ``_compute_visual_tokens``: the real ``ProcessingInfo`` but for ``get_image_processor``."""
-
-    __slots__ = ("_info", "_mode")
-
-    def __init__(self, info: Any, mode: Any) -> None:
-        object.__setattr__(self, "_info", info)
-        object.__setattr__(self, "_mode", mode)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_info"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._info, name, value)
-
-    def get_image_processor(self, *args: Any, **kwargs: Any) -> Any:
-        return _ModeBoundImageProcessor(self._info.get_image_processor(*args, **kwargs), self._mode)
 
 
 def _resolve_mode(info: Any, requested: Any) -> Any:
@@ -181,6 +120,8 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
     source_image_visual_tokens, patch_visual_tokens)`` -- and raises what the original raises. Arguments that do not
     bind to the original's signature are passed through untouched, so vLLM's own error surfaces.
     """
+    from ._proxies import ModeInfoView
+
     sig = inspect.signature(original)
     first = next(iter(sig.parameters))
     has_mode_param = PARAM in sig.parameters
@@ -196,7 +137,7 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
         mode = _resolve_mode(self, bound.arguments.get(PARAM))
         if has_mode_param:
             bound.arguments[PARAM] = mode
-        bound.arguments[first] = _InfoView(self, mode)
+        bound.arguments[first] = ModeInfoView(self, mode)
         return original(*bound.args, **bound.kwargs)
 
     _compute_visual_tokens.__vllm_minicpm_hotfix_original__ = original
@@ -235,33 +176,6 @@ def takes_mode(cls: type) -> dict[str, str]:
         if PARAM in params:
             out[name] = "required" if params[PARAM].default is inspect.Parameter.empty else "optional"
     return out
-
-
-class _RecordingImageProcessor:
-    """The real processor behind a recorder: each :data:`TARGETS` call vLLM makes is recorded as
-    ``(method, passed downsample_mode?)`` and forwarded, so transformers' own errors surface."""
-
-    def __init__(self, real: Any, calls: list) -> None:
-        self._real = real
-        self._calls = calls
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._real, name)
-        if name not in TARGETS:
-            return attr
-
-        @functools.wraps(attr)  # keeps the real signature visible (inspect.signature follows __wrapped__)
-        def record(*args: Any, **kwargs: Any) -> Any:
-            passed = PARAM in kwargs
-            if not passed:
-                try:
-                    passed = PARAM in inspect.signature(attr).bind_partial(*args, **kwargs).arguments
-                except TypeError:
-                    passed = False
-            self._calls.append((name, passed))
-            return attr(*args, **kwargs)
-
-        return record
 
 
 def probe(module: ModuleType) -> Verdict:
@@ -303,9 +217,11 @@ def probe(module: ModuleType) -> Verdict:
     described = ", ".join(f"{ip_cls.__name__}.{m}({PARAM}: {k})" for m, k in kinds.items())
 
     try:
+        from ._proxies import RecordingImageProcessor
+
         calls: list = []
         real = ip_cls.__new__(ip_cls)
-        recorder = _RecordingImageProcessor(real, calls)
+        recorder = RecordingImageProcessor(real, calls)
         info = info_cls.__new__(info_cls)
         # An instance attribute shadows the class's get_image_processor on this throw-away object only.
         info.__dict__["get_image_processor"] = lambda *a, **k: recorder
