@@ -20,6 +20,8 @@ def test_every_fix_has_the_interface():
         assert isinstance(fix.LABEL, str) and fix.LABEL, fix
         assert isinstance(fix.SETS, tuple) and fix.SETS and all(isinstance(t, str) for t in fix.SETS), fix
         assert callable(fix.probe) and callable(fix.apply), fix
+        assert isinstance(fix.PATCHES, dict) and fix.SETS == tuple(fix.PATCHES), fix
+        assert all(callable(f) or isinstance(f, _base.OnImport) for f in fix.PATCHES.values()), fix
         assert by_name(fix.NAME) is fix
     with pytest.raises(KeyError, match="no fix named"):
         by_name("nope")

@@ -1,9 +1,11 @@
 """The fixes, one module each, and the one registry that drives them.
 
-Every module listed in :data:`REGISTRY` has the interface described in :mod:`vllm_minicpm_hotfix.fixes._base`
-(``NAME``, ``LABEL``, ``SETS``, ``probe(module)``, ``apply(module)``). The post-import hook runs them in this order,
-each guarded on its own; ``status()``, ``doctor``, ``verify``, the tests and the README release table iterate over
-the same tuple. Adding a fix is adding a module and a line here.
+Every module listed in :data:`REGISTRY` has the interface described in :mod:`vllm_minicpm_hotfix.fixes._base`:
+``NAME``, ``LABEL``, ``MODELS``, ``PATCHES`` (one line per target: ``"Class.attr"`` -> a factory of its new value),
+``SETS = tuple(PATCHES)``, ``probe(module)`` and ``apply = _base.applier(__name__)`` (``_base.apply_patches``, which
+sets, marks, records and reverts for every fix). The post-import hook runs them in this order, each guarded on its own;
+``status()``, ``doctor``, ``verify``, the tests and the README release table iterate over the same tuple. Adding a
+fix is adding a module, a line here and its test file (docs/how-it-works.md, "The shape of a fix").
 
 Importing this package imports the fix modules, but none of them imports vLLM, torch or transformers at import time.
 

@@ -10,7 +10,7 @@ integration under ``contrib/``, or OpenTelemetry's one ``BaseInstrumentor`` per 
     PATCHES: dict[str, Factory]      # target -> factory(original, owner) -> new value (None: not on this release)
     SETS = tuple(PATCHES)            # "Class.attr" in the model module, "pkg.module:Class.attr" elsewhere
     def probe(module) -> Verdict     # behaviour of the installed code; never raises; no version strings
-    def apply(module) -> None        # one line: apply_patches(NAME, module)
+    apply = applier(__name__)        # apply(module): apply_patches of PATCHES; what the hook and tests call
     SCOPE: str                       # optional: the checkpoints it matters for (doctor: unapplied is WARN)
     SCOPE_CHECK: str                 # optional, with SCOPE: the command that checks a checkpoint (default --model)
     DEFER_AT: str                    # optional: probe at the first use of this entry point (_deferred)
@@ -476,6 +476,18 @@ def apply_patches(fix: ModuleType | str, module: ModuleType, patches: dict[str, 
     for target in later:
         _set_on_import(name, target, table[target])
     return done
+
+
+def applier(fix_module: str) -> Callable[[ModuleType], None]:
+    """The ``apply(module)`` of the fix module named ``fix_module``: :func:`apply_patches` of its ``PATCHES`` (a fix
+    says ``apply = _base.applier(__name__)``). Looked up at call time, so the fix's table is the one in place."""
+
+    def apply(module: ModuleType) -> None:
+        apply_patches(sys.modules[fix_module], module)
+
+    apply.__module__, apply.__qualname__ = fix_module, "apply"
+    apply.__doc__ = "Set this fix's PATCHES on ``module``'s classes, all or nothing (``_base.apply_patches``)."
+    return apply
 
 
 #: (fix NAME, target) of every :class:`OnImport` target whose post-import hook is registered in this process.

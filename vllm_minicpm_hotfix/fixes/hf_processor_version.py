@@ -39,7 +39,9 @@ NAME = "hf_processor_version"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "4.6 processor (no legacy MiniCPMVProcessor wrapper)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
-SETS = (f"{INFO_CLASS}.get_hf_processor",)
+PATCHES = {f"{INFO_CLASS}.get_hf_processor": lambda old, _: make_get_hf_processor(old)}
+SETS = tuple(PATCHES)
+apply = _base.applier(__name__)
 
 
 def make_get_hf_processor(original: Any) -> Any:
@@ -91,6 +93,4 @@ def probe(module: ModuleType) -> Verdict:
     return Verdict(State.CORRECT, f"{INFO_CLASS}.get_hf_processor returns transformers' {type(native).__name__}")
 
 
-def apply(module: ModuleType) -> None:
-    info_cls = getattr(module, INFO_CLASS)
-    _base.set_attributes(NAME, [(info_cls, "get_hf_processor", make_get_hf_processor)])
+apply = _base.applier(__name__)

@@ -51,7 +51,9 @@ NAME = "quantized_vision"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "quantized-checkpoint vision layers"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
-SETS = (f"{MODEL_CLASS}.__init__",)
+PATCHES = {f"{MODEL_CLASS}.__init__": lambda old, _: wrap_init(old)}
+SETS = tuple(PATCHES)
+apply = _base.applier(__name__)
 #: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
 #: given checkpoint).
 SCOPE = "quantized checkpoints"
@@ -383,6 +385,4 @@ def probe(module: ModuleType) -> decision.Verdict:
     )
 
 
-def apply(module: ModuleType) -> None:
-    model_cls = getattr(module, MODEL_CLASS)
-    _base.set_attributes(NAME, [(model_cls, "__init__", wrap_init)])
+apply = _base.applier(__name__)

@@ -25,7 +25,9 @@ from . import _base
 NAME = "unsupported_quant_method"
 LABEL = "quantization method check"
 TARGET = "vllm.config.model:ModelConfig._verify_quantization"
-SETS = (TARGET,)
+PATCHES = {TARGET: lambda old, _: wrap_verify(old)}
+SETS = tuple(PATCHES)
+apply = _base.applier(__name__)
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 #: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
 #: given checkpoint).
@@ -132,6 +134,4 @@ def probe(module: ModuleType) -> decision.Verdict:
     )
 
 
-def apply(module: ModuleType) -> None:
-    owner, attr = _base.resolve(module, TARGET)
-    _base.set_attributes(NAME, [(owner, attr, wrap_verify)])
+apply = _base.applier(__name__)
