@@ -8,9 +8,9 @@ integration under ``contrib/``, or OpenTelemetry's one ``BaseInstrumentor`` per 
     LABEL: str                       # what it fixes, in words, for the one log line
     MODELS: tuple[str, ...]          # the family members it applies to ("MiniCPM-V 4.6", ...); see covers()
     PATCHES: dict[str, Factory]      # target -> factory(original, owner) -> new value (None: not on this release)
-    SETS = tuple(PATCHES)            # "Class.attr" in the model module, "pkg.module:Class.attr" elsewhere
     def probe(module) -> Verdict     # behaviour of the installed code; never raises; no version strings
-    apply = applier(__name__)        # apply(module): apply_patches of PATCHES; what the hook and tests call
+    SETS: tuple[str, ...]            # derived (complete): the PATCHES keys, "Class.attr" / "pkg.module:Class.attr"
+    def apply(module) -> None        # derived (complete): apply_patches of PATCHES; what the hook calls
     SCOPE: str                       # optional: the checkpoints it matters for (doctor: unapplied is WARN)
     SCOPE_CHECK: str                 # optional, with SCOPE: the command that checks a checkpoint (default --model)
     DEFER_AT: str                    # optional: probe at the first use of this entry point (_deferred)
@@ -478,9 +478,21 @@ def apply_patches(fix: ModuleType | str, module: ModuleType, patches: dict[str, 
     return done
 
 
+def complete(fix: ModuleType) -> ModuleType:
+    """Give the fix module ``fix`` what its ``PATCHES`` implies, unless it defines them itself: ``SETS`` (the
+    targets, in table order) and ``apply(module)`` (:func:`applier`). The registry does this for every fix it lists,
+    so a fix module writes its targets once. Returns ``fix``."""
+    if hasattr(fix, "PATCHES"):
+        if not hasattr(fix, "SETS"):
+            fix.SETS = tuple(fix.PATCHES)
+        if not hasattr(fix, "apply"):
+            fix.apply = applier(fix.__name__)
+    return fix
+
+
 def applier(fix_module: str) -> Callable[[ModuleType], None]:
-    """The ``apply(module)`` of the fix module named ``fix_module``: :func:`apply_patches` of its ``PATCHES`` (a fix
-    says ``apply = _base.applier(__name__)``). Looked up at call time, so the fix's table is the one in place."""
+    """The ``apply(module)`` of the fix module named ``fix_module``: :func:`apply_patches` of its ``PATCHES``,
+    looked up at call time (what the hook calls, through ``fix.apply``, and what a test may replace)."""
 
     def apply(module: ModuleType) -> None:
         apply_patches(sys.modules[fix_module], module)

@@ -73,8 +73,6 @@ PATCHES = {
     f"{PROCESSOR_CLASS}.process_mm_inputs": lambda old, _: wrap_process_mm_inputs(old),
     f"{PROCESSOR_CLASS}._get_mm_fields_config": lambda old, _: wrap_get_mm_fields_config(old),
 }
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 
 IMAGE_FLAG = "use_vit_merger"
 VIDEO_FLAG = "video_use_vit_merger"

@@ -40,8 +40,6 @@ MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "4.6 processor (no legacy MiniCPMVProcessor wrapper)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 PATCHES = {f"{INFO_CLASS}.get_hf_processor": lambda old, _: make_get_hf_processor(old)}
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 
 
 def make_get_hf_processor(original: Any) -> Any:
@@ -91,6 +89,3 @@ def probe(module: ModuleType) -> Verdict:
             f"{type(native).__name__}",
         )
     return Verdict(State.CORRECT, f"{INFO_CLASS}.get_hf_processor returns transformers' {type(native).__name__}")
-
-
-apply = _base.applier(__name__)

@@ -54,8 +54,6 @@ ATTRIBUTES = ("supports_lora", "embedding_modules", "is_3d_moe_weight", "is_non_
               "lora_manager")
 #: Each attribute the installed protocol declares and the class lacks, as a :class:`ForMembers` (:func:`declare`).
 PATCHES = {f"{MODEL_CLASS}.{attr}": lambda old, owner, attr=attr: declare(attr, old, owner) for attr in ATTRIBUTES}
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 #: vLLM 0.32+ defines 4.7 with SupportsLoRA through its 4.6 base: nothing to declare there.
 MODELS = ("MiniCPM-V 4.6",)
 #: What the LoRA manager reads from the model besides the protocol's attributes.

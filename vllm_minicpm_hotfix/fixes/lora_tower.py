@@ -84,8 +84,6 @@ PATCHES = {
     f"{WORKER_MODULE}:{LOAD}": _base.on_import(lambda old, _: wrap_load(old)),
     f"{SERVING_MODULE}:{API_LOAD}": _base.on_import(lambda old, _: wrap_api_load(old)),
 }
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 #: safetensors file of a peft adapter folder.
 ADAPTER_FILE = "adapter_model.safetensors"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")

@@ -82,8 +82,6 @@ PATCHES = {
     f"{PROC_CLASS}.process_mm_inputs": lambda old, _: mp.wrap_process_mm_inputs(old, _THIS),
     f"{INFO_CLASS}.get_video_max_slice_num": lambda old, _: mp.wrap_get_video_max_slice_num(old, _THIS),
 }
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 
 
 def _native(info: Any) -> Any:
@@ -317,7 +315,7 @@ def probe(module: ModuleType) -> Verdict:
     missing = [
         f"{cls_name}.{attr}"
         for cls_name, cls in ((INFO_CLASS, info_cls), (PROC_CLASS, proc_cls))
-        for attr in {t.split(".")[1] for t in SETS if t.startswith(cls_name + ".")}
+        for attr in {t.split(".")[1] for t in PATCHES if t.startswith(cls_name + ".")}
         if not callable(getattr(cls, attr, None))
     ]
     if missing:

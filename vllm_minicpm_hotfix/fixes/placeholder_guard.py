@@ -89,8 +89,6 @@ PATCHES = {
     f"{PROCESSOR_CLASS}._apply_hf_processor": lambda old, _: wrap_apply_hf_processor(old),
     f"{PROCESSOR_CLASS}._merge_mm_kwargs": lambda old, _: wrap_merge_mm_kwargs(old),
 }
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 
 #: modality -> (field with the per-slice (h, w) patch grid, field with the item's vit_merger flag, pad token attr,
 #: default pad text).

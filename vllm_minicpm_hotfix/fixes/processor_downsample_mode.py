@@ -78,8 +78,6 @@ LABEL = "image placeholder count (downsample_mode)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 METHOD = "_compute_visual_tokens"
 PATCHES = {f"{INFO_CLASS}.{METHOD}": lambda old, _: wrap_compute_visual_tokens(old)}
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 #: transformers' image-processor methods vLLM calls without the mode.
 TARGETS = ("find_best_resize", "get_refine_size")
 PARAM = "downsample_mode"

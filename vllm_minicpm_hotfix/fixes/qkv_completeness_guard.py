@@ -66,8 +66,6 @@ NAME = "qkv_completeness_guard"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "vit_merger q/k/v completeness guard"
 PATCHES = {f"{MODEL_CLASS}.load_weights": lambda old, owner: wrap_model_load_weights(old, attn_class_of(owner))}
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 #: A check, not a repair: vLLM loads a complete checkpoint correctly without it, so it matters only for these
 #: checkpoints. ``doctor`` reports it unapplied as a WARN row, never a FAIL (the quantized fixes' mechanism), and
 #: names the command that checks a given checkpoint for them.
@@ -261,6 +259,3 @@ def probe(module: ModuleType) -> Verdict:
         f"vLLM's own load_weights loads {' and '.join(silent)} without an error (the missing rows of qkv_proj keep "
         f"uninitialised memory)",
     )
-
-
-apply = _base.applier(__name__)

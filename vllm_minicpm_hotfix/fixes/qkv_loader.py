@@ -48,8 +48,6 @@ PATCHES = {
     f"{ATTN_CLASS}.load_weights": lambda old, _: load_weights,
     f"{MODEL_CLASS}.load_weights": lambda old, owner: wrap_model_load_weights(old, attn_class_of(owner)),
 }
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 
 #: Checkpoint module name -> ``QKVParallelLinear`` shard id.
 SHARD_IDS: dict[str, str] = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}

@@ -83,8 +83,6 @@ PATCHES = {
     BUDGET_TARGET: _base.on_import(lambda old, _: wrap_compute_budget(old) if callable(old) else None,
                                    without="the item limit is max_model_len alone"),
 }
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 
 #: The sizing keys a request may set (transformers' ``MiniCPMV4_6ImageProcessorKwargs``), with their type.

@@ -26,8 +26,6 @@ NAME = "unsupported_quant_method"
 LABEL = "quantization method check"
 TARGET = "vllm.config.model:ModelConfig._verify_quantization"
 PATCHES = {TARGET: lambda old, _: wrap_verify(old)}
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 #: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
 #: given checkpoint).
@@ -132,6 +130,3 @@ def probe(module: ModuleType) -> decision.Verdict:
         f"this vLLM has no {REMOVED_METHOD}: a MiniCPM-V 4.6 {REMOVED_METHOD} checkpoint fails with a bare "
         f"'Unknown quantization method' listing {len(known)} methods",
     )
-
-
-apply = _base.applier(__name__)

@@ -53,8 +53,6 @@ LABEL = "video encoder budget (frames profiled = frames loaded)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 METHOD = "get_num_frames_with_most_features"
 PATCHES = {f"{INFO_CLASS}.{METHOD}": lambda old, _: wrap_get_num_frames(old)}
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 
 PROBE_SEQ_LEN = 100_000
 

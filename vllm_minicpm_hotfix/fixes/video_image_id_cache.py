@@ -43,8 +43,6 @@ LABEL = "cached video <image_id> index"
 PROC_CLASS = "MiniCPMV4_6MultiModalProcessor"
 PATCHES = {f"{PROC_CLASS}._recompute_cached_prompt_update":
            lambda old, _: wrap_recompute_cached_prompt_update(old, sys.modules[__name__])}
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 #: 4.6 only: 4.7's videos carry no local id (``MiniCPMV4_7Processor._prepend_local_ids`` returns them unchanged,
 #: vLLM's ``MiniCPMV4_7MultiModalProcessor._video_local_id_prefix`` is ""), so there is no index to renumber.
 MODELS = ("MiniCPM-V 4.6",)
@@ -144,6 +142,3 @@ def probe(module: ModuleType) -> Verdict:
         State.BROKEN,
         f"a cached video moved from index 0 to 1 keeps its old index: {after[: after.find('<image>')]!r}",
     )
-
-
-apply = _base.applier(__name__)

@@ -51,7 +51,6 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
 
 NAME = "video_loader"
 LABEL = "video loader look-up without a video_processor_type (video_url requests)"
@@ -60,8 +59,6 @@ VIDEO_MODULE = "vllm.multimodal.video"
 CACHED = "_cached_get_video_processor_cls_name"
 BACKEND = "get_video_loader_backend_for_processor"
 PATCHES = {f"{PROCESSOR_MODULE}:{CACHED}": lambda old, _: _wrap_if_chosen_by_name(old)}
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 #: vLLM 0.24-0.31 have no 4.7 model; 4.7's releases (0.32+) read the dict themselves.
 MODELS = ("MiniCPM-V 4.6",)
 #: ``config.json`` ``model_type`` -> family member.

@@ -50,8 +50,6 @@ LABEL = "vision tower built for video-only serving"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 PATCHES = {f"{MODEL_CLASS}._mark_tower_model": lambda old, _: wrap_mark_tower_model(old)}
-SETS = tuple(PATCHES)
-apply = _base.applier(__name__)
 
 #: The modalities MiniCPM-V 4.6's vision tower encodes.
 TOWER_MODALITIES = frozenset({"image", "video"})
