@@ -20,9 +20,101 @@ def test_every_fix_has_the_interface():
         assert isinstance(fix.LABEL, str) and fix.LABEL, fix
         assert isinstance(fix.SETS, tuple) and fix.SETS and all(isinstance(t, str) for t in fix.SETS), fix
         assert callable(fix.probe) and callable(fix.apply), fix
+        assert isinstance(fix.PATCHES, dict) and fix.SETS == tuple(fix.PATCHES), fix
+        assert all(callable(f) or isinstance(f, _base.OnImport) for f in fix.PATCHES.values()), fix
         assert by_name(fix.NAME) is fix
     with pytest.raises(KeyError, match="no fix named"):
         by_name("nope")
+
+
+def _patch_module():
+    """A model module stand-in: ``Model.f`` and ``Model.g`` (functions), ``Model.h`` absent."""
+    import types
+
+    module = types.ModuleType("patch_table_stand_in")
+
+    class Model:
+        def f(self):
+            return "f"
+
+        def g(self):
+            return "g"
+
+    module.Model = Model
+    return module, Model
+
+
+def _wrapping(tag):
+    def factory(original, owner):
+        def wrapper(self):
+            return f"{tag}({original(self)})"
+
+        return wrapper
+
+    return factory
+
+
+def test_apply_patches_sets_marks_records_and_reverts():
+    """One table, one transaction: each factory gets the value there now and the owner; a factory returning None
+    leaves its target alone; every value set is marked with the fix, recorded and reverted."""
+    module, model = _patch_module()
+    seen = []
+
+    def keep_owner(original, owner):
+        seen.append(owner)
+        return None
+
+    table = {"Model.f": _wrapping("w"), "Model.g": keep_owner, "Model.h": lambda original, owner: None}
+    assert _base.apply_patches("patch_table_test", module, table) == ["Model.f"]
+    try:
+        assert model().f() == "w(f)" and model().g() == "g" and "h" not in vars(model)
+        assert seen == [model]
+        assert _base.patched_by(model, "f") == "patch_table_test" and _base.patched_by(model, "g") is None
+    finally:
+        assert _base.revert_fix("patch_table_test")
+    assert model().f() == "f" and not _base.has_set("patch_table_test")
+
+
+def test_apply_patches_is_all_or_nothing():
+    """A factory that raises, or a target whose owner is not there, leaves every class as it was."""
+    module, model = _patch_module()
+    before = dict(vars(model))
+
+    def boom(original, owner):
+        raise RuntimeError("synthetic")
+
+    with pytest.raises(RuntimeError, match="synthetic"):
+        _base.apply_patches("patch_table_test", module, {"Model.f": _wrapping("w"), "Model.g": boom})
+    assert dict(vars(model)) == before
+    with pytest.raises(AttributeError, match="Missing.f"):
+        _base.apply_patches("patch_table_test", module, {"Model.f": _wrapping("w"), "Missing.f": _wrapping("x")})
+    assert dict(vars(model)) == before and not _base.has_set("patch_table_test")
+
+
+def test_on_import_target_is_set_when_its_module_is_imported(tmp_path, monkeypatch):
+    """An ``on_import`` target in a module not imported yet is not imported by the fix: it is set when the module is
+    imported, if the fix is still applied then; one whose module is imported is set with the rest."""
+    import importlib
+    import sys
+
+    module, model = _patch_module()
+    name = "patch_table_later"
+    (tmp_path / f"{name}.py").write_text("def later():\n    return 'later'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    table = {"Model.f": _wrapping("w"), f"{name}:later": _base.on_import(lambda original, owner: lambda: "wrapped")}
+    try:
+        assert _base.apply_patches("patch_table_test", module, table) == ["Model.f"]
+        assert name not in sys.modules
+        later = importlib.import_module(name)
+        assert later.later() == "wrapped" and _base.patched_by(later, "later") == "patch_table_test"
+        _base.revert_fix("patch_table_test")
+        assert later.later() == "later"
+        assert _base.apply_patches("patch_table_test", module, table) == ["Model.f", f"{name}:later"]
+        assert later.later() == "wrapped"
+    finally:
+        _base.revert_fix("patch_table_test")
+        sys.modules.pop(name, None)
+    assert later.later() == "later" and model().f() == "f"
 
 
 #: The fixes whose tests live in a module named after a subject several fixes share (the prompt, the engine, the

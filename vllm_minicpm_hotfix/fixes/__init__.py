@@ -1,9 +1,12 @@
 """The fixes, one module each, and the one registry that drives them.
 
-Every module listed in :data:`REGISTRY` has the interface described in :mod:`vllm_minicpm_hotfix.fixes._base`
-(``NAME``, ``LABEL``, ``SETS``, ``probe(module)``, ``apply(module)``). The post-import hook runs them in this order,
-each guarded on its own; ``status()``, ``doctor``, ``verify``, the tests and the README release table iterate over
-the same tuple. Adding a fix is adding a module and a line here.
+Every module listed in :data:`REGISTRY` has the interface described in :mod:`vllm_minicpm_hotfix.fixes._base`:
+``NAME``, ``LABEL``, ``MODELS``, ``PATCHES`` (one line per target: ``"Class.attr"`` -> a factory of its new value)
+and ``probe(module)``; :func:`~._base.complete` derives each one's ``SETS`` (the targets) and ``apply(module)``
+(``_base.apply_patches``, which sets, marks, records and reverts for every fix) as the registry is built. The
+post-import hook runs them in this order, each guarded on its own; ``status()``, ``doctor``, ``verify``, the tests
+and the README release table iterate over the same tuple. Adding a fix is adding a module, a line here and its test
+file (docs/how-it-works.md, "The shape of a fix").
 
 Importing this package imports the fix modules, but none of them imports vLLM, torch or transformers at import time.
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from . import _base
 from . import (
     encoder_modes,
     hf_processor_version,
@@ -86,6 +90,9 @@ REGISTRY: tuple[ModuleType, ...] = (
     lora_support,
     lora_tower,  # after lora_support: the adapters it refuses are loaded by the LoRA it declares
 )
+for _fix in REGISTRY:
+    _base.complete(_fix)
+del _fix
 
 
 #: One request's path through the fixes in the API server, in the order the wrappers are first entered (the table of

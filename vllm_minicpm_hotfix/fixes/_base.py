@@ -1,18 +1,25 @@
-"""The machinery every fix shares: run one fix (mode, probe, decision, apply, record, one log line), transactional
-attribute setting, revert.
+"""The machinery every fix shares: run one fix (mode, probe, decision, apply, record, one log line), a fix's patch
+table applied transactionally, revert.
 
 A *fix* is a module in this package with the same small interface (the idea of ddtrace's one ``patch()`` module per
 integration under ``contrib/``, or OpenTelemetry's one ``BaseInstrumentor`` per library, made smaller)::
 
-    NAME: str                 # key in status()["fixes"], doctor, the README release table, e.g. "qkv_loader"
-    LABEL: str                # what it fixes, in words, for the one log line
-    SETS: tuple[str, ...]     # what apply() sets: "Class.attr" in the model module, "pkg.module:Class.attr" elsewhere
-    MODELS: tuple[str, ...]   # the family members it applies to ("MiniCPM-V 4.6", "MiniCPM-V 4.7"); see covers()
-    SCOPE: str                # optional: the checkpoints it matters for (doctor: unapplied is WARN, not FAIL)
-    SCOPE_CHECK: str          # optional, with SCOPE: the command that checks a checkpoint for it (default: --model)
-    def probe(module) -> decision.Verdict    # behaviour of the installed code; never raises; no version strings
-    def apply(module) -> None                # only through set_attributes(NAME, ...)
-    DEFER_AT: str                            # optional: probe at the first use of this entry point (_deferred)
+    NAME: str                        # key in status()["fixes"], doctor, the README table, e.g. "qkv_loader"
+    LABEL: str                       # what it fixes, in words, for the one log line
+    MODELS: tuple[str, ...]          # the family members it applies to ("MiniCPM-V 4.6", ...); see covers()
+    PATCHES: dict[str, Factory]      # target -> factory(original, owner) -> new value (None: not on this release)
+    def probe(module) -> Verdict     # behaviour of the installed code; never raises; no version strings
+    SETS: tuple[str, ...]            # derived (complete): the PATCHES keys, "Class.attr" / "pkg.module:Class.attr"
+    def apply(module) -> None        # derived (complete): apply_patches of PATCHES; what the hook calls
+    SCOPE: str                       # optional: the checkpoints it matters for (doctor: unapplied is WARN)
+    SCOPE_CHECK: str                 # optional, with SCOPE: the command that checks a checkpoint (default --model)
+    DEFER_AT: str                    # optional: probe at the first use of this entry point (_deferred)
+
+``PATCHES`` has one line per target, as ddtrace's ``_w("redis", "Redis.execute_command", wrapper)`` or wrapt's
+``wrap_object(module, name, factory)``: :func:`apply_patches` resolves each target (:func:`resolve`), calls its
+factory with the value there now and the owner, and sets what it returns, all in one :func:`set_attributes`
+transaction. A factory returning None leaves its target alone (a method this release does not have); a target
+whose owner is missing raises (nothing is set); :func:`on_import` marks a target in a module vLLM may import later.
 
 Two rules for ``probe``: it judges by running the installed code (vLLM's, transformers') on stand-ins, never by a
 version string; and re-run on a module where the fix *is* applied it must answer ``CORRECT`` -- ``doctor`` re-probes
@@ -391,6 +398,139 @@ def set_attributes(fix: str, changes: Iterable[tuple[Any, str, Callable[[Any], A
     saved = _ORIGINALS[fix] = _ORIGINALS.pop(fix, {})  # (re)inserted last: the record is in apply order
     for owner, attr, old in undo:
         saved.setdefault((owner, attr), old)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A fix's patch table
+# --------------------------------------------------------------------------------------------------------------------
+
+#: A ``PATCHES`` factory: ``(the value the target has now, inherited or not, None if absent; its owner)`` -> the new
+#: value, or None where the target is not to be set on this release.
+Factory = Callable[[Any, Any], Any]
+
+
+class OnImport:
+    """A ``PATCHES`` value for a ``"pkg.module:Class.attr"`` target in a module vLLM may import after the model module
+    (or never): set with the fix's other targets if vLLM has already imported that module, else when vLLM imports it
+    (a ``wrapt`` post-import hook), if the fix is still applied then. The fix never imports the module itself.
+    ``without`` says what vLLM does if the wrapper cannot be set then (the warning line names it)."""
+
+    __slots__ = ("factory", "without")
+
+    def __init__(self, factory: Factory, without: str = "vLLM's own code is used") -> None:
+        self.factory, self.without = factory, without
+
+
+def on_import(factory: Factory, without: str = "vLLM's own code is used") -> OnImport:
+    """``factory`` as a target set when vLLM imports the target's module (:class:`OnImport`)."""
+    return OnImport(factory, without)
+
+
+def _fix_and_table(fix: ModuleType | str, patches: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    if isinstance(fix, str):
+        name = fix
+        if patches is None:
+            from . import by_name  # not at import time: this package's __init__ imports this module
+
+            patches = by_name(fix).PATCHES
+    else:
+        name = fix.NAME
+        patches = fix.PATCHES if patches is None else patches
+    return name, patches
+
+
+def apply_patches(fix: ModuleType | str, module: ModuleType, patches: dict[str, Any] | None = None) -> list[str]:
+    """Set ``fix``'s ``PATCHES`` (a fix module or its NAME; or ``patches``, a table of the same shape) through
+    :func:`set_attributes`: all or nothing, each value marked and recorded for :func:`revert_fix`. Returns the targets
+    set now.
+
+    Per target, in table order: :func:`resolve` finds the owner (in ``module`` for ``"Class.attr"``; importing
+    ``pkg.module`` for ``"pkg.module:Class.attr"``) -- a target whose owner is not there raises ``AttributeError``,
+    and nothing is set -- and the factory gets the target's current value and the owner; the value it returns is
+    set, and where it returns None the target is left as it is (not on this release). An :class:`OnImport` target
+    whose module vLLM has not imported yet is set when vLLM imports it; one whose module is imported but has no such
+    owner is left alone. Raises what a factory raises (nothing is set then)."""
+    name, table = _fix_and_table(fix, patches)
+    done: list[str] = []
+    later: list[str] = []
+
+    def changes() -> Iterable[tuple[Any, str, Callable[[Any], Any]]]:
+        for target, factory in table.items():
+            if isinstance(factory, OnImport):
+                found = resolve(module, target, imported_only=True)
+                if found is None:
+                    later.append(target)
+                    continue
+                factory = factory.factory
+            else:
+                found = resolve(module, target)
+                if found is None:
+                    raise AttributeError(f"{name}: {target} is not there (model module {module.__name__})")
+            owner, attr = found
+            new = factory(getattr(owner, attr, None), owner)
+            if new is not None:
+                done.append(target)
+                yield owner, attr, lambda _current, new=new: new
+
+    set_attributes(name, changes())
+    for target in later:
+        _set_on_import(name, target, table[target])
+    return done
+
+
+def complete(fix: ModuleType) -> ModuleType:
+    """Give the fix module ``fix`` what its ``PATCHES`` implies, unless it defines them itself: ``SETS`` (the
+    targets, in table order) and ``apply(module)`` (:func:`applier`). The registry does this for every fix it lists,
+    so a fix module writes its targets once. Returns ``fix``."""
+    if hasattr(fix, "PATCHES"):
+        if not hasattr(fix, "SETS"):
+            fix.SETS = tuple(fix.PATCHES)
+        if not hasattr(fix, "apply"):
+            fix.apply = applier(fix.__name__)
+    return fix
+
+
+def applier(fix_module: str) -> Callable[[ModuleType], None]:
+    """The ``apply(module)`` of the fix module named ``fix_module``: :func:`apply_patches` of its ``PATCHES``,
+    looked up at call time (what the hook calls, through ``fix.apply``, and what a test may replace)."""
+
+    def apply(module: ModuleType) -> None:
+        apply_patches(sys.modules[fix_module], module)
+
+    apply.__module__, apply.__qualname__ = fix_module, "apply"
+    apply.__doc__ = "Set this fix's PATCHES on ``module``'s classes, all or nothing (``_base.apply_patches``)."
+    return apply
+
+
+#: (fix NAME, target) of every :class:`OnImport` target whose post-import hook is registered in this process.
+_ON_IMPORT: set[tuple[str, str]] = set()
+
+
+def _set_on_import(fix: str, target: str, patch: OnImport) -> None:
+    """Register (once per process) the post-import hook that sets ``target`` for ``fix`` when vLLM imports its
+    module: if ``fix`` is applied then (not reverted since), the owner is there and the value is not already
+    ``fix``'s. ``wrapt`` runs the hook at once if the module was imported meanwhile. The hook never raises: a failure
+    is logged and vLLM's own value stays."""
+    if (fix, target) in _ON_IMPORT:
+        return
+    import wrapt
+
+    _ON_IMPORT.add((fix, target))
+
+    def hook(imported: ModuleType) -> None:
+        try:
+            found = resolve(imported, target, imported_only=True)
+            if not has_set(fix) or found is None or patched_by(*found) == fix:
+                return
+            owner, attr = found
+            new = patch.factory(getattr(owner, attr, None), owner)
+            if new is not None:
+                set_attributes(fix, [(owner, attr, lambda _current: new)])
+        except Exception as exc:  # noqa: BLE001 - a failure here must not break vLLM's import
+            logger.warning("vllm-minicpm-hotfix: %s could not wrap %s (%s); %s", fix, target, exc, patch.without,
+                           exc_info=True)
+
+    wrapt.register_post_import_hook(hook, target.partition(":")[0])
 
 
 def wraps_of(fix: str) -> dict[str, str]:

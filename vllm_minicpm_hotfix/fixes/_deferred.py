@@ -3,7 +3,7 @@ probed the first time vLLM enters that path, not at import.
 
 A fix opts in with two attributes::
 
-    DEFER_AT: str                         # the entry point of its code path, a SETS-style target ("Class.__init__")
+    DEFER_AT: str                         # the entry point of its code path, a PATCHES target ("Class.__init__")
     def uses_path(*args, **kwargs) -> bool  # for a call of DEFER_AT (self first): does this call take the path?
 
 At hook time (:func:`vllm_minicpm_hotfix.fixes._base.run`, modes ``auto`` and ``force``) such a fix is not probed:

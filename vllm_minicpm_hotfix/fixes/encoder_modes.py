@@ -46,8 +46,8 @@ that returns, per slice, as many rows as the mode it is asked for gives):
 stand-in cannot be run, ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever they are
 (on a vLLM that already groups, the wrapper's groups are what vLLM would form itself).
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, :func:`probe`,
-:func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
+:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "per-item downsample mode in the vision encoder (mixed 4x/16x batches, 4x videos)"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
-SETS = (
-    f"{MODEL_CLASS}.embed_multimodal",
-    f"{PROCESSOR_CLASS}.process_mm_inputs",
-    f"{PROCESSOR_CLASS}._get_mm_fields_config",
-)
+PATCHES = {
+    f"{MODEL_CLASS}.embed_multimodal": lambda old, _: wrap_embed_multimodal(old),
+    f"{PROCESSOR_CLASS}.process_mm_inputs": lambda old, _: wrap_process_mm_inputs(old),
+    f"{PROCESSOR_CLASS}._get_mm_fields_config": lambda old, _: wrap_get_mm_fields_config(old),
+}
 
 IMAGE_FLAG = "use_vit_merger"
 VIDEO_FLAG = "video_use_vit_merger"
@@ -250,17 +250,6 @@ def wrap_get_mm_fields_config(original: Any) -> Any:
         return fields
 
     return _get_mm_fields_config
-
-
-def apply(module: ModuleType) -> None:
-    """Set the three wrappers (all or nothing)."""
-    model_cls = getattr(module, MODEL_CLASS)
-    proc_cls = getattr(module, PROCESSOR_CLASS)
-    _base.set_attributes(NAME, [
-        (model_cls, "embed_multimodal", wrap_embed_multimodal),
-        (proc_cls, "process_mm_inputs", wrap_process_mm_inputs),
-        (proc_cls, "_get_mm_fields_config", wrap_get_mm_fields_config),
-    ])
 
 
 # --------------------------------------------------------------------------------------------------------------------

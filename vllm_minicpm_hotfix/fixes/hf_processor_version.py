@@ -39,7 +39,7 @@ NAME = "hf_processor_version"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "4.6 processor (no legacy MiniCPMVProcessor wrapper)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
-SETS = (f"{INFO_CLASS}.get_hf_processor",)
+PATCHES = {f"{INFO_CLASS}.get_hf_processor": lambda old, _: make_get_hf_processor(old)}
 
 
 def make_get_hf_processor(original: Any) -> Any:
@@ -89,8 +89,3 @@ def probe(module: ModuleType) -> Verdict:
             f"{type(native).__name__}",
         )
     return Verdict(State.CORRECT, f"{INFO_CLASS}.get_hf_processor returns transformers' {type(native).__name__}")
-
-
-def apply(module: ModuleType) -> None:
-    info_cls = getattr(module, INFO_CLASS)
-    _base.set_attributes(NAME, [(info_cls, "get_hf_processor", make_get_hf_processor)])

@@ -29,8 +29,8 @@ checks the built model, which on 0.24 must also have ``lora_manager``); ``unreco
 ``supports_lora``, or the class's ``packed_modules_mapping`` / ``get_mm_mapping`` (without which no LoRA manager can
 wrap the model) are not there.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, ``MODELS``,
-:func:`probe`, :func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
+:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ INTERFACES = "vllm.model_executor.models.interfaces"
 #: the class lacks are set.
 ATTRIBUTES = ("supports_lora", "embedding_modules", "is_3d_moe_weight", "is_non_gated_moe", "lora_skip_prefixes",
               "lora_manager")
-SETS = tuple(f"{MODEL_CLASS}.{attr}" for attr in ATTRIBUTES)
+#: Each attribute the installed protocol declares and the class lacks, as a :class:`ForMembers` (:func:`declare`).
+PATCHES = {f"{MODEL_CLASS}.{attr}": lambda old, owner, attr=attr: declare(attr, old, owner) for attr in ATTRIBUTES}
 #: vLLM 0.32+ defines 4.7 with SupportsLoRA through its 4.6 base: nothing to declare there.
 MODELS = ("MiniCPM-V 4.6",)
 #: What the LoRA manager reads from the model besides the protocol's attributes.
@@ -63,6 +64,10 @@ def _targets(module: ModuleType) -> tuple[type, type, Any] | str:
     cls = getattr(module, MODEL_CLASS, None)
     if not isinstance(cls, type):
         return f"{module.__name__} has no {MODEL_CLASS}"
+    return _protocol_for(cls)
+
+
+def _protocol_for(cls: type) -> tuple[type, type, Any] | str:
     try:
         interfaces = importlib.import_module(INTERFACES)
     except Exception as exc:  # noqa: BLE001
@@ -113,15 +118,15 @@ class ForMembers:
         raise AttributeError(f"{self.attr} (lora_support does not cover {cls.__name__})")
 
 
-def apply(module: ModuleType) -> None:
-    """Set the protocol's attributes on ``module.MiniCPMV4_6ForConditionalGeneration`` (all or nothing), each as a
-    :class:`ForMembers` so that only the declared members see them."""
-    found = _targets(module)
+def declare(attr: str, original: Any, cls: Any) -> ForMembers | None:
+    """The value :data:`PATCHES` sets for ``attr`` on the model class ``cls``: a :class:`ForMembers` of the
+    protocol's member, or None where ``cls`` has it already (or the installed protocol lacks it). Raises
+    ``RuntimeError`` if ``cls`` is no class a LoRA manager can wrap (see :func:`probe`), before anything is set."""
+    found = _protocol_for(cls) if isinstance(cls, type) else f"{MODEL_CLASS} is not a class"
     if isinstance(found, str):
         raise RuntimeError(found)
-    cls, protocol, _ = found
-    _base.set_attributes(NAME, [(cls, attr, (lambda _old, a=attr, v=value: ForMembers(a, v, cls)))
-                                for attr, value in declared(cls, protocol).items()])
+    values = declared(cls, found[1])
+    return ForMembers(attr, values[attr], cls) if attr in values else None
 
 
 def probe(module: ModuleType) -> Verdict:

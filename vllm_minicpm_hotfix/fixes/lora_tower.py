@@ -51,8 +51,8 @@ declares ``supports_tower_connector_lora`` false; ``correct``: a positive count 
 tower), or a ``ValueError`` (the guard in place: refused clearly); ``unrecognised``: the class, its
 ``get_mm_mapping`` or both budget methods are not there. Under 1 ms; imports no LoRA code.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, ``MODELS``,
-:func:`probe`, :func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
+:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
@@ -76,9 +76,14 @@ LOAD = "WorkerLoRAManager._load_adapter"
 SERVING_MODULE = "vllm.entrypoints.openai.models.serving"
 API_LOAD = "OpenAIServingModels.load_lora_adapter"
 COUNTS = "get_mm_lora_token_counts"
-#: The model's budget methods (each wrapped where the class has it), the worker's adapter load and the API
-#: server's (the last two set when vLLM imports their modules).
-SETS = (f"{MODEL_CLASS}.{BUDGET}", f"{MODEL_CLASS}.{COUNTS}", f"{WORKER_MODULE}:{LOAD}", f"{SERVING_MODULE}:{API_LOAD}")
+#: The model's budget methods (each wrapped where the class has it; one of them at least), the worker's adapter load
+#: and the API server's (set when vLLM imports their modules).
+PATCHES = {
+    f"{MODEL_CLASS}.{BUDGET}": lambda old, _: wrap_budget(old) if callable(old) else None,
+    f"{MODEL_CLASS}.{COUNTS}": lambda old, owner: _wrap_counts(old, owner),
+    f"{WORKER_MODULE}:{LOAD}": _base.on_import(lambda old, _: wrap_load(old)),
+    f"{SERVING_MODULE}:{API_LOAD}": _base.on_import(lambda old, _: wrap_api_load(old)),
+}
 #: safetensors file of a peft adapter folder.
 ADAPTER_FILE = "adapter_model.safetensors"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
@@ -235,35 +240,12 @@ def wrap_api_load(original: Callable) -> Callable:
     return load_lora_adapter
 
 
-def _on_import(target: str, make: Callable) -> Callable[[ModuleType], None]:
-    def hook(module: ModuleType) -> None:
-        """Set ``make``'s wrapper on ``target`` when vLLM imports its module (at once if it already has), if this fix
-        is still applied. Never raises."""
-        try:
-            owner_name, attr = target.split(".")
-            owner = getattr(module, owner_name, None)
-            if not _base.has_set(NAME) or owner is None or _base.patched_by(owner, attr) == NAME:
-                return
-            _base.set_attributes(NAME, [(owner, attr, make)])
-        except Exception as exc:  # noqa: BLE001 - a failure here must not break vLLM's import
-            log.warning("vllm-minicpm-hotfix: %s: could not wrap %s.%s (%s); vLLM's own code is used",
-                        NAME, module.__name__, target, exc, exc_info=True)
-
-    return hook
-
-
-def apply(module: ModuleType) -> None:
-    """Wrap the model class's ``get_num_mm_encoder_tokens`` now and ``WorkerLoRAManager._load_adapter`` when vLLM
-    imports it (all or nothing for what is set now)."""
-    cls = getattr(module, MODEL_CLASS, None)
-    methods = [m for m in (BUDGET, COUNTS) if isinstance(cls, type) and callable(getattr(cls, m, None))]
-    if not methods:
-        raise RuntimeError(f"{module.__name__}.{MODEL_CLASS} has neither {BUDGET} nor {COUNTS}")
-    _base.set_attributes(NAME, [(cls, m, wrap_budget) for m in methods])
-    import wrapt
-
-    wrapt.register_post_import_hook(_on_import(LOAD, wrap_load), WORKER_MODULE)
-    wrapt.register_post_import_hook(_on_import(API_LOAD, wrap_api_load), SERVING_MODULE)
+def _wrap_counts(original: Any, cls: Any) -> Callable | None:
+    """:data:`PATCHES`' ``get_mm_lora_token_counts``: wrapped where the class has it; ``RuntimeError`` if the class
+    has neither it nor ``get_num_mm_encoder_tokens`` (nothing is set then)."""
+    if not callable(original) and not (isinstance(cls, type) and callable(getattr(cls, BUDGET, None))):
+        raise RuntimeError(f"{getattr(cls, '__module__', '?')}.{MODEL_CLASS} has neither {BUDGET} nor {COUNTS}")
+    return wrap_budget(original) if callable(original) else None
 
 
 def _positive(tokens: Any) -> bool:

@@ -27,7 +27,7 @@ It replaces vLLM's arithmetic by transformers' own processor instead of patching
 built, fed with what the installed image processor's own ``get_sliced_grid`` / ``find_best_resize`` /
 ``get_refine_size`` give for the item's size (read from the item itself, as transformers reads it) and its effective
 kwargs (the processor's, then the request's, then what vLLM resolved and passed), plus ``<image_id>i</image_id>``
-where ``use_image_id``. Set on vLLM's classes (``SETS``):
+where ``use_image_id``. Set on vLLM's classes (``PATCHES``):
 
 * ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates``: vLLM's own, with each replacement callable run inside
   :data:`._mm_prompt.REQUEST` (this call's items and ``mm_processor_kwargs``; a ``ContextVar``, so concurrent
@@ -73,14 +73,15 @@ LABEL = "image/video placeholder text (transformers' layout and kwargs)"
 
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 PROC_CLASS = "MiniCPMV4_6MultiModalProcessor"
-SETS = (
-    f"{PROC_CLASS}._get_prompt_updates",
-    f"{INFO_CLASS}.get_slice_image_placeholder",
-    f"{INFO_CLASS}.get_num_image_tokens",
-    f"{PROC_CLASS}.get_video_prompt_texts",
-    f"{PROC_CLASS}.process_mm_inputs",
-    f"{INFO_CLASS}.get_video_max_slice_num",
-)
+_THIS = sys.modules[__name__]
+PATCHES = {
+    f"{PROC_CLASS}._get_prompt_updates": lambda old, _: mp.wrap_get_prompt_updates(old, _THIS),
+    f"{INFO_CLASS}.get_slice_image_placeholder": lambda old, _: wrap_get_slice_image_placeholder(old, _THIS),
+    f"{INFO_CLASS}.get_num_image_tokens": lambda old, _: wrap_get_num_image_tokens(old, _THIS),
+    f"{PROC_CLASS}.get_video_prompt_texts": lambda old, _: wrap_get_video_prompt_texts(old, _THIS),
+    f"{PROC_CLASS}.process_mm_inputs": lambda old, _: mp.wrap_process_mm_inputs(old, _THIS),
+    f"{INFO_CLASS}.get_video_max_slice_num": lambda old, _: mp.wrap_get_video_max_slice_num(old, _THIS),
+}
 
 
 def _native(info: Any) -> Any:
@@ -176,23 +177,6 @@ def wrap_get_video_prompt_texts(original: Any, fix: Any) -> Any:
 
     get_video_prompt_texts.__vllm_minicpm_hotfix_original__ = original
     return get_video_prompt_texts
-
-
-def apply(module: ModuleType) -> None:
-    _THIS = sys.modules[__name__]
-    info_cls = getattr(module, INFO_CLASS)
-    proc_cls = getattr(module, PROC_CLASS)
-    _base.set_attributes(
-        NAME,
-        [
-            (proc_cls, "_get_prompt_updates", lambda old: mp.wrap_get_prompt_updates(old, _THIS)),
-            (info_cls, "get_slice_image_placeholder", lambda old: wrap_get_slice_image_placeholder(old, _THIS)),
-            (info_cls, "get_num_image_tokens", lambda old: wrap_get_num_image_tokens(old, _THIS)),
-            (proc_cls, "get_video_prompt_texts", lambda old: wrap_get_video_prompt_texts(old, _THIS)),
-            (proc_cls, "process_mm_inputs", lambda old: mp.wrap_process_mm_inputs(old, _THIS)),
-            (info_cls, "get_video_max_slice_num", lambda old: mp.wrap_get_video_max_slice_num(old, _THIS)),
-        ],
-    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -331,7 +315,7 @@ def probe(module: ModuleType) -> Verdict:
     missing = [
         f"{cls_name}.{attr}"
         for cls_name, cls in ((INFO_CLASS, info_cls), (PROC_CLASS, proc_cls))
-        for attr in {t.split(".")[1] for t in SETS if t.startswith(cls_name + ".")}
+        for attr in {t.split(".")[1] for t in PATCHES if t.startswith(cls_name + ".")}
         if not callable(getattr(cls, attr, None))
     ]
     if missing:

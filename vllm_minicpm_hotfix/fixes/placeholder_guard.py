@@ -64,8 +64,8 @@ vLLM 0.22-0.33: it checks item counts, never embedding counts), ``correct`` if e
 that validates this itself, or the guard applied), ``undetermined`` if the stand-in cannot be built,
 ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever the hooks exist.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, :func:`probe`,
-:func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
+:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
@@ -86,7 +86,10 @@ NAME = "placeholder_guard"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "placeholder/embedding count guard (HTTP 400 instead of a dead engine)"
 PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
-SETS = (f"{PROCESSOR_CLASS}._apply_hf_processor", f"{PROCESSOR_CLASS}._merge_mm_kwargs")
+PATCHES = {
+    f"{PROCESSOR_CLASS}._apply_hf_processor": lambda old, _: wrap_apply_hf_processor(old),
+    f"{PROCESSOR_CLASS}._merge_mm_kwargs": lambda old, _: wrap_merge_mm_kwargs(old),
+}
 
 #: modality -> (field with the per-slice (h, w) patch grid, field with the item's vit_merger flag, pad token attr,
 #: default pad text).
@@ -367,15 +370,6 @@ def wrap_merge_mm_kwargs(original: Any) -> Any:
         return original(self, *args, **kwargs)
 
     return _merge_mm_kwargs
-
-
-def apply(module: ModuleType) -> None:
-    """Set both wrappers on ``module.MiniCPMV4_6MultiModalProcessor`` (all or nothing)."""
-    cls = getattr(module, PROCESSOR_CLASS)
-    _base.set_attributes(NAME, [
-        (cls, "_apply_hf_processor", wrap_apply_hf_processor),
-        (cls, "_merge_mm_kwargs", wrap_merge_mm_kwargs),
-    ])
 
 
 # --------------------------------------------------------------------------------------------------------------------

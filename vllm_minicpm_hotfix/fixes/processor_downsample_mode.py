@@ -57,8 +57,8 @@ probe found vLLM correct or could not tell (the wrapper only adds the argument w
 that passes it the patch is a no-op). ``force`` does *not* patch where transformers' methods lack the parameter or
 vLLM's layout is unknown: there the wrapper could only do nothing or raise, and vLLM is better left exactly as shipped.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, :func:`probe`,
-:func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
+:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "image placeholder count (downsample_mode)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 METHOD = "_compute_visual_tokens"
-SETS = (f"{INFO_CLASS}.{METHOD}",)
+PATCHES = {f"{INFO_CLASS}.{METHOD}": lambda old, _: wrap_compute_visual_tokens(old)}
 #: transformers' image-processor methods vLLM calls without the mode.
 TARGETS = ("find_best_resize", "get_refine_size")
 PARAM = "downsample_mode"
@@ -270,13 +270,3 @@ def probe(module: ModuleType) -> Verdict:
         decision.State.CORRECT, f"not needed: vLLM's {METHOD} passes {PARAM} itself ({described})", applicable=True
     )
 
-
-# --------------------------------------------------------------------------------------------------------------------
-# Apply
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def apply(module: ModuleType) -> None:
-    """Wrap ``module``'s ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens`` (:func:`wrap_compute_visual_tokens`)."""
-    info_cls = getattr(module, INFO_CLASS)
-    _base.set_attributes(NAME, [(info_cls, METHOD, wrap_compute_visual_tokens)])

@@ -59,12 +59,13 @@ from typing import Any
 
 from ..decision import State, Verdict
 from . import _base
-from .qkv_loader import ATTN_CLASS, FUSED, MODEL_CLASS, PROBE_NAMES, QKVLoadError, _stand_in_model, recognise_layout
+from .qkv_loader import (ATTN_CLASS, FUSED, MODEL_CLASS, PROBE_NAMES, QKVLoadError, _stand_in_model, attn_class_of,
+                         recognise_layout)
 
 NAME = "qkv_completeness_guard"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "vit_merger q/k/v completeness guard"
-SETS = (f"{MODEL_CLASS}.load_weights",)
+PATCHES = {f"{MODEL_CLASS}.load_weights": lambda old, owner: wrap_model_load_weights(old, attn_class_of(owner))}
 #: A check, not a repair: vLLM loads a complete checkpoint correctly without it, so it matters only for these
 #: checkpoints. ``doctor`` reports it unapplied as a WARN row, never a FAIL (the quantized fixes' mechanism), and
 #: names the command that checks a given checkpoint for them.
@@ -257,13 +258,4 @@ def probe(module: ModuleType) -> Verdict:
         State.BROKEN,
         f"vLLM's own load_weights loads {' and '.join(silent)} without an error (the missing rows of qkv_proj keep "
         f"uninitialised memory)",
-    )
-
-
-def apply(module: ModuleType) -> None:
-    """Wrap ``MiniCPMV4_6ForConditionalGeneration.load_weights`` (:func:`wrap_model_load_weights`)."""
-    attn_cls = getattr(module, ATTN_CLASS)
-    _base.set_attributes(
-        NAME,
-        [(getattr(module, MODEL_CLASS), "load_weights", lambda original: wrap_model_load_weights(original, attn_cls))],
     )

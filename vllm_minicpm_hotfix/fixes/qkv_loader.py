@@ -44,7 +44,10 @@ MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "vit_merger q/k/v loader"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 ATTN_CLASS = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
-SETS = (f"{ATTN_CLASS}.load_weights", f"{MODEL_CLASS}.load_weights")
+PATCHES = {
+    f"{ATTN_CLASS}.load_weights": lambda old, _: load_weights,
+    f"{MODEL_CLASS}.load_weights": lambda old, owner: wrap_model_load_weights(old, attn_class_of(owner)),
+}
 
 #: Checkpoint module name -> ``QKVParallelLinear`` shard id.
 SHARD_IDS: dict[str, str] = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
@@ -301,6 +304,11 @@ def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
     return loaded
 
 
+def attn_class_of(model_cls: type) -> type:
+    """The window self-attention class of the model module that defines ``model_cls``."""
+    return getattr(sys.modules[model_cls.__module__], ATTN_CLASS)
+
+
 def wrap_model_load_weights(original: Any, attn_cls: type) -> Any:
     """Wrap ``MiniCPMV4_6ForConditionalGeneration.load_weights`` so q/k/v completeness is judged per model load.
 
@@ -448,21 +456,3 @@ def probe(module: ModuleType, loader: Any = None) -> Verdict:
         f"vLLM's own load_weights routes the split q/k/v wrongly: expected (param, shard, value) {want}, got {got}",
     )
 
-
-# --------------------------------------------------------------------------------------------------------------------
-# Apply
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def apply(module: ModuleType) -> None:
-    """Attach :func:`load_weights` to ``MiniCPMV4_6ViTWindowAttentionSelfAttn`` and wrap
-    ``MiniCPMV4_6ForConditionalGeneration.load_weights`` (:func:`wrap_model_load_weights`), all or nothing."""
-    model_cls = getattr(module, MODEL_CLASS)
-    attn_cls = getattr(module, ATTN_CLASS)
-    _base.set_attributes(
-        NAME,
-        [
-            (attn_cls, "load_weights", lambda _: load_weights),
-            (model_cls, "load_weights", lambda original: wrap_model_load_weights(original, attn_cls)),
-        ],
-    )

@@ -51,7 +51,6 @@ NAME = "quantized_vision"
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "quantized-checkpoint vision layers"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
-SETS = (f"{MODEL_CLASS}.__init__",)
 #: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
 #: given checkpoint).
 SCOPE = "quantized checkpoints"
@@ -59,7 +58,8 @@ SCOPE = "quantized checkpoints"
 #: Probed at first use (:mod:`._deferred`): the first model construction that gets a quantization config. An
 #: unquantized checkpoint never takes this path, and the probe (an AWQ config and vLLM's quantization machinery,
 #: 0.2-0.4 s of CPU) would otherwise run in every vLLM process.
-DEFER_AT = SETS[0]
+DEFER_AT = f"{MODEL_CLASS}.__init__"
+PATCHES = {DEFER_AT: lambda old, _: wrap_init(old)}
 PATH = "gets a quantization config"
 
 #: vLLM's top-level names of the vision side.
@@ -381,8 +381,3 @@ def probe(module: ModuleType) -> decision.Verdict:
         f"vLLM builds {PROBE_LAYER} as {name} although the AWQ config's modules_to_not_convert names "
         f"model.vision_tower (transformers' name, unmapped: {getattr(qc, 'modules_to_not_convert', '?')})",
     )
-
-
-def apply(module: ModuleType) -> None:
-    model_cls = getattr(module, MODEL_CLASS)
-    _base.set_attributes(NAME, [(model_cls, "__init__", wrap_init)])

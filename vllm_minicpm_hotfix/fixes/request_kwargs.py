@@ -65,7 +65,6 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ..record import logger
 from . import _base
 from . import _mm_prompt as mp
 
@@ -74,7 +73,16 @@ LABEL = "request mm_processor_kwargs validation and per-item budget (HTTP 400 be
 PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
 BUDGET_MODULE = "vllm.multimodal.encoder_budget"
 BUDGET_TARGET = f"{BUDGET_MODULE}:compute_mm_encoder_budget"
-SETS = (f"{PROCESSOR_CLASS}.apply", f"{PROCESSOR_CLASS}.__init__", BUDGET_TARGET)
+#: The processor's ``apply`` and ``__init__``, and the recorder on vLLM's ``compute_mm_encoder_budget``: set with
+#: the others if vLLM has imported :data:`BUDGET_MODULE` (the model module does not need it), else when vLLM imports
+#: it, not by importing it now: vLLM reads the function as a module global at call time, and builds its first
+#: ``MultiModalBudget`` only after that import.
+PATCHES = {
+    f"{PROCESSOR_CLASS}.apply": lambda old, _: wrap_apply(old),
+    f"{PROCESSOR_CLASS}.__init__": lambda old, _: wrap_init(old),
+    BUDGET_TARGET: _base.on_import(lambda old, _: wrap_compute_budget(old) if callable(old) else None,
+                                   without="the item limit is max_model_len alone"),
+}
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 
 #: The sizing keys a request may set (transformers' ``MiniCPMV4_6ImageProcessorKwargs``), with their type.
@@ -526,52 +534,6 @@ def wrap_init(original: Any) -> Any:
             check_model_level(self, _base.model_of(self) or "MiniCPM-V")
 
     return __init__
-
-
-def apply(module: ModuleType) -> None:
-    """Set the wrappers on ``module.MiniCPMV4_6MultiModalProcessor.apply`` and ``.__init__`` and the recorder on
-    vLLM's ``compute_mm_encoder_budget``, all or nothing. If vLLM has not imported :data:`BUDGET_MODULE` yet (the
-    model module does not need it), the recorder is set when vLLM imports it (a ``wrapt`` post-import hook,
-    :func:`_set_recorder`), not by importing it now: vLLM reads the function as a module global at call time, and
-    builds its first ``MultiModalBudget`` only after that import."""
-    cls = getattr(module, PROCESSOR_CLASS)
-    changes = [(cls, "apply", wrap_apply), (cls, "__init__", wrap_init)]
-    budget = _base.resolve(module, BUDGET_TARGET, imported_only=True)
-    if budget is not None and callable(getattr(*budget, None)):
-        changes.append((*budget, wrap_compute_budget))
-    _base.set_attributes(NAME, changes)
-    if budget is None:
-        _record_budget_on_import()
-
-
-_RECORDER_HOOKED: list[bool] = []
-
-
-def _record_budget_on_import() -> None:
-    """Register :func:`_set_recorder` on the import of :data:`BUDGET_MODULE` (once per process; ``wrapt`` calls it
-    at once if the module is imported meanwhile)."""
-    if _RECORDER_HOOKED:
-        return
-    import wrapt
-
-    _RECORDER_HOOKED.append(True)
-    wrapt.register_post_import_hook(_set_recorder, BUDGET_MODULE)
-
-
-def _set_recorder(budget_module: ModuleType) -> None:
-    """Set the recorder on ``budget_module.compute_mm_encoder_budget`` if this fix is applied in this process (not
-    reverted since) and the function is not already this fix's. Never raises: a failure is logged and vLLM's own
-    function stays (the item limit is then ``max_model_len`` alone)."""
-    try:
-        if not _base.has_set(NAME):
-            return
-        attr = BUDGET_TARGET.partition(":")[2]
-        if not callable(getattr(budget_module, attr, None)) or _base.patched_by(budget_module, attr) == NAME:
-            return
-        _base.set_attributes(NAME, [(budget_module, attr, wrap_compute_budget)])
-    except Exception as exc:  # noqa: BLE001 - never break vLLM's import of its encoder budget
-        logger.warning("vllm-minicpm-hotfix: %s could not wrap %s (the item limit is max_model_len alone): %s",
-                             NAME, BUDGET_TARGET, exc)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from . import _base
 NAME = "unsupported_quant_method"
 LABEL = "quantization method check"
 TARGET = "vllm.config.model:ModelConfig._verify_quantization"
-SETS = (TARGET,)
+PATCHES = {TARGET: lambda old, _: wrap_verify(old)}
 MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 #: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
 #: given checkpoint).
@@ -130,8 +130,3 @@ def probe(module: ModuleType) -> decision.Verdict:
         f"this vLLM has no {REMOVED_METHOD}: a MiniCPM-V 4.6 {REMOVED_METHOD} checkpoint fails with a bare "
         f"'Unknown quantization method' listing {len(known)} methods",
     )
-
-
-def apply(module: ModuleType) -> None:
-    owner, attr = _base.resolve(module, TARGET)
-    _base.set_attributes(NAME, [(owner, attr, wrap_verify)])

@@ -30,8 +30,8 @@ media kwargs) and compares it with ``VideoMediaIO``'s default ``num_frames``: ``
 than the loader loads (0.22-0.33: 16 < 32), ``correct`` otherwise, ``undetermined`` if the loader's default cannot be
 read or the stand-in cannot run, ``unrecognised`` if the class or method is not there.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, :func:`probe`,
-:func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
+:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "video encoder budget (frames profiled = frames loaded)"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
 METHOD = "get_num_frames_with_most_features"
-SETS = (f"{INFO_CLASS}.{METHOD}",)
+PATCHES = {f"{INFO_CLASS}.{METHOD}": lambda old, _: wrap_get_num_frames(old)}
 
 PROBE_SEQ_LEN = 100_000
 
@@ -103,12 +103,6 @@ def wrap_get_num_frames(original: Any) -> Any:
         return max(frames, min(want, fit))
 
     return get_num_frames_with_most_features
-
-
-def apply(module: ModuleType) -> None:
-    """Set the wrapper on ``module.MiniCPMV4_6ProcessingInfo`` (all or nothing)."""
-    cls = getattr(module, INFO_CLASS)
-    _base.set_attributes(NAME, [(cls, METHOD, wrap_get_num_frames)])
 
 
 def probe(module: ModuleType) -> Verdict:

@@ -41,7 +41,8 @@ from . import _mm_prompt as mp
 NAME = "video_image_id_cache"
 LABEL = "cached video <image_id> index"
 PROC_CLASS = "MiniCPMV4_6MultiModalProcessor"
-SETS = (f"{PROC_CLASS}._recompute_cached_prompt_update",)
+PATCHES = {f"{PROC_CLASS}._recompute_cached_prompt_update":
+           lambda old, _: wrap_recompute_cached_prompt_update(old, sys.modules[__name__])}
 #: 4.6 only: 4.7's videos carry no local id (``MiniCPMV4_7Processor._prepend_local_ids`` returns them unchanged,
 #: vLLM's ``MiniCPMV4_7MultiModalProcessor._video_local_id_prefix`` is ""), so there is no index to renumber.
 MODELS = ("MiniCPM-V 4.6",)
@@ -140,12 +141,4 @@ def probe(module: ModuleType) -> Verdict:
     return Verdict(
         State.BROKEN,
         f"a cached video moved from index 0 to 1 keeps its old index: {after[: after.find('<image>')]!r}",
-    )
-
-
-def apply(module: ModuleType) -> None:
-    proc_cls = getattr(module, PROC_CLASS)
-    _base.set_attributes(
-        NAME,
-        [(proc_cls, "_recompute_cached_prompt_update", lambda old: wrap_recompute_cached_prompt_update(old, sys.modules[__name__]))],
     )

@@ -35,8 +35,8 @@ to the installed ``get_video_loader_backend_for_processor``: ``broken`` if that 
 ``correct`` and not applicable where vLLM chooses no video loader by processor name at all (0.22: no
 ``_cached_get_video_processor_cls_name`` or no ``get_video_loader_backend_for_processor``).
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, ``MODELS``,
-:func:`probe`, :func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
+:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
 
 NAME = "video_loader"
 LABEL = "video loader look-up without a video_processor_type (video_url requests)"
@@ -59,7 +58,7 @@ PROCESSOR_MODULE = "vllm.transformers_utils.processor"
 VIDEO_MODULE = "vllm.multimodal.video"
 CACHED = "_cached_get_video_processor_cls_name"
 BACKEND = "get_video_loader_backend_for_processor"
-SETS = (f"{PROCESSOR_MODULE}:{CACHED}",)
+PATCHES = {f"{PROCESSOR_MODULE}:{CACHED}": lambda old, _: _wrap_if_chosen_by_name(old)}
 #: vLLM 0.24-0.31 have no 4.7 model; 4.7's releases (0.32+) read the dict themselves.
 MODELS = ("MiniCPM-V 4.6",)
 #: ``config.json`` ``model_type`` -> family member.
@@ -113,13 +112,12 @@ def _targets() -> tuple[ModuleType, Any, Any] | None:
     return processor, cached, backend
 
 
-def apply(module: ModuleType) -> None:
-    """Set the wrapper on ``vllm.transformers_utils.processor`` (all or nothing). ``module`` (the model module) is
-    not changed."""
-    found = _targets()
-    if found is None:
+def _wrap_if_chosen_by_name(original: Any) -> Any:
+    """:data:`PATCHES`' wrapper; ``RuntimeError`` (nothing set) where this vLLM chooses no video loader by processor
+    name (:func:`_targets`)."""
+    if _targets() is None:
         raise RuntimeError(f"{PROCESSOR_MODULE}.{CACHED} or {VIDEO_MODULE}.{BACKEND} is not there")
-    _base.set_attributes(NAME, [(found[0], CACHED, wrap_cached)])
+    return wrap_cached(original)
 
 
 def probe(module: ModuleType) -> Verdict:

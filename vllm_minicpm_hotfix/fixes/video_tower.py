@@ -29,8 +29,8 @@ and stops construction there (nothing is built). ``broken`` if the vision tower 
 into); ``undetermined`` if ``__init__`` cannot reach the call on the stand-in;
 ``unrecognised`` if the classes are not there. ``force`` applies wherever ``_mark_tower_model`` exists.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``SETS``, :func:`probe`,
-:func:`apply`. Nothing here imports vLLM, torch or transformers at import time.
+The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
+:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "vision tower built for video-only serving"
 MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
-SETS = (f"{MODEL_CLASS}._mark_tower_model",)
+PATCHES = {f"{MODEL_CLASS}._mark_tower_model": lambda old, _: wrap_mark_tower_model(old)}
 
 #: The modalities MiniCPM-V 4.6's vision tower encodes.
 TOWER_MODALITIES = frozenset({"image", "video"})
@@ -76,12 +76,6 @@ def wrap_mark_tower_model(original: Any) -> Any:
 def effective_modalities(modalities: Any) -> Any:
     """``{"image"}`` (or ``"image"``) -> ``{"image", "video"}``; anything else unchanged."""
     return set(TOWER_MODALITIES) if _as_set(modalities) == {"image"} else modalities
-
-
-def apply(module: ModuleType) -> None:
-    """Set the wrapper on ``module.MiniCPMV4_6ForConditionalGeneration`` (all or nothing)."""
-    cls = getattr(module, MODEL_CLASS)
-    _base.set_attributes(NAME, [(cls, "_mark_tower_model", wrap_mark_tower_model)])
 
 
 class _Stop(Exception):
