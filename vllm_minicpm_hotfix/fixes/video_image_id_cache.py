@@ -29,7 +29,6 @@ tiny tokenizer, as :mod:`.mm_placeholders` does), hands the update to the instal
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from types import ModuleType
 from typing import Any
@@ -68,14 +67,14 @@ def wrap_recompute_cached_prompt_update(original: Any, fix: Any) -> Any:
     """``MiniCPMV4_6MultiModalProcessor._recompute_cached_prompt_update(self, cached_update: ResolvedPromptUpdate,
     new_item_idx: int) -> ResolvedPromptUpdate``: vLLM's own, then a video's ``<image_id>`` index rewritten from
     ``cached_update.item_idx`` to ``new_item_idx`` (see the module docstring). Instances ``fix`` does not cover (:func:`._base.covers`) get vLLM's own."""
-    sig = inspect.signature(original)
+    bind = _base.binder(original)
 
     @functools.wraps(original)
     def _recompute_cached_prompt_update(self: Any, *args: Any, **kwargs: Any) -> Any:
         new_update = original(self, *args, **kwargs)
         if not _base.covers(fix, self):
             return new_update
-        a = sig.bind(self, *args, **kwargs).arguments
+        a = bind(self, *args, **kwargs)
         cached, new_idx = a["cached_update"], int(a["new_item_idx"])
         if getattr(cached, "modality", None) != "video" or cached.item_idx == new_idx:
             return new_update
