@@ -39,8 +39,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "tests")]
 
-from e2e import build_wheel, clean_env, overlay_env, pip_install  # noqa: E402
-from e2e.server import HEALTHY_WITHIN_S, Server, png_data_url  # noqa: E402
+from support.venvs import build_wheel, clean_env, overlay_env, pip_install  # noqa: E402
+from support.server import HEALTHY_WITHIN_S, Server, png_data_url  # noqa: E402
 from request_inproc import real_geometry  # noqa: E402
 
 IMAGE = (1024, 768)

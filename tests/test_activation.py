@@ -20,33 +20,16 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FULL_ENVS, REPO
-from e2e import clean_env, overlay_env, pip_install, site_packages, source_copy
-from hotfix_log import patched_pids, summaries
+from support.paths import REPO
+from support.placement import FULL_ENVS
+from support.venvs import clean_env, overlay_env, pip_install, site_packages, source_copy
+from support.hotfix_log import patched_pids, summaries
 from support.programs import run_program, run_reporting
 
 from vllm_minicpm_hotfix import _bootstrap, bundle
+from support.activation import HEAVY, started, import_m46  # noqa: F401
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
-
-HEAVY = ("wrapt", "torch", "vllm", "transformers")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Environments (built once per module; cheap: a wheel, two venvs of symbolic links, a bundle)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def started(python, *, pythonpath: str = "", cwd, **env: str) -> tuple[dict, str]:
-    """What a fresh interpreter looks like right after start-up, before it imports anything itself."""
-    return run_reporting("started", python=python, env=clean_env(PYTHONPATH=pythonpath, **env), cwd=cwd, timeout=60)
-
-
-def import_m46(python, *args: str, pythonpath: str = "", cwd, **env: str) -> tuple[dict, str]:
-    """tests/programs/import_m46.py: vLLM's model module imported as vLLM would, then vLLM's general plugins loaded
-    (``--no-plugins``: not), and a report of what activated."""
-    return run_reporting("import_m46", *args, python=python, env=clean_env(PYTHONPATH=pythonpath, **env), cwd=cwd,
-                         timeout=300)
 
 
 # --------------------------------------------------------------------------------------------------------------------

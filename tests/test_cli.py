@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FULL_ENVS, REPO, TINY
-
+from support.paths import REPO, TINY
+from support.placement import FULL_ENVS
 from vllm_minicpm_hotfix.cli import doctor, verify
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
@@ -188,7 +188,7 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
     proc = setups.run(setup, ["doctor", "--json"])
     report = json.loads(proc.stdout)
     _REPORTS[setup] = report
-    import expected as table
+    from support import expected as table
     from vllm_minicpm_hotfix.fixes import REGISTRY
 
     qkv_broken = expected[0] == "broken"

@@ -17,8 +17,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FULL_ENVS, MAKE_CHECKPOINT, REPO, TINY
-
+from support.paths import MAKE_CHECKPOINT, REPO, TINY
+from support.placement import FULL_ENVS
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 

@@ -19,8 +19,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FULL_ENVS, REPO
-
+from support.paths import REPO
+from support.placement import FULL_ENVS
 from vllm_minicpm_hotfix.cli.doctor import child as doctor_child, facts as doctor_facts
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 import vllm_minicpm_hotfix
-from conftest import hotfix
+from support.hotfix import hotfix
 from vllm_minicpm_hotfix.fixes import REGISTRY, _base, names
 
 
@@ -99,7 +99,7 @@ def _call_through(fix, m46, owner, attr, cls):
 def _undeclared(m46):
     """``(fix, owner, attr, class)`` for every attribute a fix sets and every class that reaches it and that the fix
     does not declare: the "4.8" subclasses, and 4.7's where the fix does not declare 4.7."""
-    import family_subclass
+    from support import family_subclass
 
     m47 = _base._import_member("vllm.model_executor.models.minicpmv4_7")
     out = []
@@ -147,7 +147,7 @@ def _view48(m46):
     """vLLM's 4.6 module with its classes replaced by the "4.8" subclasses (what a probe then judges)."""
     from types import ModuleType
 
-    import family_subclass as fs
+    from support import family_subclass as fs
 
     view = ModuleType(fs.__name__)
     view.__dict__.update({k: v for k, v in vars(m46).items() if not k.startswith("__")})
@@ -183,7 +183,7 @@ def test_member_verdicts_are_pinned(m46, environment, monkeypatch):
     """Under ``auto`` the hook probes every family member present here on its own classes: ``status()`` records per
     member the stock verdict tests/expected.py pins (4.7 only where vLLM and transformers have it), applies each fix
     exactly for the declared members whose verdict is broken, and the patched member's re-probe answers correct."""
-    import expected as table
+    from support import expected as table
 
     from vllm_minicpm_hotfix.fixes import _deferred
 
@@ -205,13 +205,13 @@ def test_member_verdicts_are_pinned(m46, environment, monkeypatch):
 
 
 def test_status_and_doctor_name_undeclared_subclasses(m46):
-    import family_subclass  # noqa: F401 - defines and registers the "4.8" classes
+    from support import family_subclass  # noqa: F401 - defines and registers the "4.8" classes
 
     from vllm_minicpm_hotfix.cli.doctor import table as doctor_render, verdict as doctor_judge
 
     with hotfix(m46, "force", fixes=None):
         fixes = vllm_minicpm_hotfix.status()["fixes"]
-    import family_subclass as fs
+    from support import family_subclass as fs
 
     reached = set()
     for fix in REGISTRY:
@@ -248,7 +248,7 @@ def test_status_and_doctor_name_undeclared_subclasses(m46):
 # MiniCPM-V 4.7 (vLLM 0.32+ with transformers >= 5.19): canvas M-RoPE positions, the frame budget
 # --------------------------------------------------------------------------------------------------------------------
 
-from test_prompt_conformance import PROMPT, V47_ENVS, image, make_pair, vllm_ids, with_hotfix, write_v47  # noqa: E402
+from support.prompt import PROMPT, V47_ENVS, image, make_pair, vllm_ids, with_hotfix, write_v47  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -380,7 +380,7 @@ def _member_import(*modules: str) -> tuple[dict, str]:
     """tests/programs/member_import.py in a fresh interpreter of this environment: (its JSON, its log)."""
     import os
 
-    from conftest import REPO
+    from support.paths import REPO
     from support.programs import run_reporting
 
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_MINICPM_HOTFIX", "PYTHONPATH")}
@@ -396,8 +396,8 @@ def test_each_member_is_probed_on_its_own_classes_whatever_the_import_order(envi
     names both members. Serving 4.6, ``minicpmv4_7`` is never imported and nothing of 4.7 is probed. Imported
     later (4.6 first), the hook runs again for both members on stock classes, and says so in one more WARNING line.
     Placed on 0.33.0 (one fresh vLLM import each; 0.32.0 has the same modules, and its session is a long one)."""
-    import expected as table
-    from hotfix_log import summaries
+    from support import expected as table
+    from support.hotfix_log import summaries
 
     out, log = _member_import(*order)
     lines = summaries(log)

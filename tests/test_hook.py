@@ -8,7 +8,8 @@ import os
 import types
 
 import pytest
-from conftest import FULL_ENVS, hotfix
+from support.hotfix import hotfix
+from support.placement import FULL_ENVS
 from support.programs import run_reporting
 
 from vllm_minicpm_hotfix import decision, hook, record

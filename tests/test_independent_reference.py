@@ -35,10 +35,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, hotfix
+from support.hotfix import hotfix
+from support.paths import TINY
 from safetensors.torch import load_file, save_file
 from support.programs import run_program
-from vllm_build import build_vllm_model, checkpoint_tensors
+from support.vllm_build import build_vllm_model, checkpoint_tensors
 
 #: Where the hotfix patches the q/k/v loading (elsewhere this would compare stock with stock: tests/test_vllm_load.py
 #: covers those releases against the checkpoint's own tensors). Needs the 0.32.0 environment built too.

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
-from e2e import clean_env, overlay_env, run_uv, site_packages, source_copy
-from hotfix_log import patched_pids
+from support.paths import REPO
+from support.venvs import clean_env, overlay_env, run_uv, site_packages, source_copy
+from support.hotfix_log import patched_pids
 from support.programs import run_reporting
-from test_activation import HEAVY, import_m46, started
+from support.activation import HEAVY, import_m46, started
 
 pytestmark = pytest.mark.placed("0.28.0")
 

@@ -15,11 +15,11 @@ tests/e2e/test_lora_serve.py (0.23.0).
 
 from __future__ import annotations
 
-import expected as table
+from support import expected as table
 import pytest
 import torch
-from conftest import TINY, hotfix
-
+from support.hotfix import hotfix
+from support.paths import TINY
 from vllm_minicpm_hotfix.fixes import lora_support
 
 PACKED = ("qkv_proj", "gate_up_proj", "in_proj_qkvz", "in_proj_ba")
@@ -27,7 +27,7 @@ PACKED = ("qkv_proj", "gate_up_proj", "in_proj_qkvz", "in_proj_ba")
 
 @pytest.fixture(scope="module")
 def model(m46):
-    from vllm_build import build_vllm_model
+    from support.vllm_build import build_vllm_model
 
     with hotfix(m46, "auto", fixes=("qkv_loader",)):
         return build_vllm_model(TINY)

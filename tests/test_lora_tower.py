@@ -32,13 +32,13 @@ import re
 import subprocess
 import sys
 
-import expected as table
+from support import expected as table
 import pytest
 import torch
-from conftest import REPO, TINY, hotfix
-
-from e2e import clean_env
-from e2e.peft_site import peft_site
+from support.hotfix import hotfix
+from support.paths import REPO, TINY
+from support.venvs import clean_env
+from support.peft_site import peft_site
 from support.programs import run_reporting
 from vllm_minicpm_hotfix.fixes import lora_tower, names
 
@@ -53,7 +53,7 @@ STOCK_FLAG = {"0.22.1": TypeError, "0.23.0": TypeError, "0.24.0": TypeError, "0.
 @pytest.fixture(scope="module")
 def tower_adapter(tmp_path_factory):
     out = tmp_path_factory.mktemp("tower-lora") / "tower"
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "lora_tower_adapter.py"), str(TINY), str(out)],
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "lora_tower_adapter.py"), str(TINY), str(out)],
                           env=clean_env(PYTHONPATH=str(peft_site())), capture_output=True, text=True, timeout=600,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -65,7 +65,7 @@ def tower_adapter(tmp_path_factory):
 def fresh_model(m46):
     """vLLM's model of the tiny checkpoint (the LoRA manager replaces its layers in place: one per start). Built
     outside any other ``hotfix`` block (leaving this one reverts every fix)."""
-    from vllm_build import build_vllm_model
+    from support.vllm_build import build_vllm_model
 
     with hotfix(m46, "auto", fixes=("qkv_loader",)):
         return build_vllm_model(TINY)

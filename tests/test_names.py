@@ -15,8 +15,8 @@ import ast
 import re
 
 import pytest
-from conftest import FULL_ENVS, REPO
-
+from support.paths import REPO
+from support.placement import FULL_ENVS
 from vllm_minicpm_hotfix import _bootstrap, bundle, decision, hook, plugin
 from vllm_minicpm_hotfix.cli.doctor import facts as doctor_facts
 from vllm_minicpm_hotfix.fixes import qkv_loader

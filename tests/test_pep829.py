@@ -22,8 +22,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import observed
-from e2e import clean_env, run_uv, site_packages
+from support.observed import observed
+from support.venvs import clean_env, run_uv, site_packages
 from support.programs import reported, run_program, run_reporting
 
 ENV_VAR = "VLLM_MINICPM_HOTFIX_PEP829_PYTHON"

@@ -38,6 +38,7 @@ from vllm_minicpm_hotfix import decision, hook, record
 from vllm_minicpm_hotfix.fixes import _base, hf_processor_version, qkv_loader
 from vllm_minicpm_hotfix.fixes import processor_downsample_mode as processor_fix
 from vllm_minicpm_hotfix.record import FixStatus
+from support.processor import vllm_process  # noqa: F401
 
 TINY = Path(vllm_minicpm_hotfix.__file__).parent / "data" / "tiny-minicpm-v46"
 INFO = "MiniCPMV4_6ProcessingInfo"
@@ -104,22 +105,6 @@ def processor_hotfix(m46, mode: str = "auto"):
 def info_method(m46):
     return getattr(m46, INFO).__dict__[processor_fix.METHOD]
 
-
-def vllm_process(proc, img, mm_kwargs: dict):
-    """vLLM's own multimodal processing of one image prompt, as its renderer does it (``processor.apply``).
-
-    Returns the ``MultiModalInput`` (``prompt_token_ids``, ``mm_kwargs``, ``mm_placeholders``, ...)."""
-    from vllm.multimodal.processing.context import TimingContext
-    from vllm.multimodal.processing.inputs import ProcessorInputs
-
-    tok = proc.info.get_tokenizer()
-    prompt = tok.encode(f"<|im_start|>user\n{tok.image_token}What is this?<|im_end|>\n", add_special_tokens=False)
-    fields = {f.name for f in dataclasses.fields(ProcessorInputs)}
-    kwargs = dict(prompt=prompt, mm_data_items=proc.info.parse_mm_data({"image": [img]}),
-                  hf_processor_mm_kwargs=dict(mm_kwargs))
-    if "tokenization_kwargs" in fields:
-        kwargs["tokenization_kwargs"] = {}
-    return proc.apply(ProcessorInputs(**kwargs), TimingContext(enabled=False))
 
 
 def vllm_counts(proc, out) -> tuple[int, int]:
@@ -260,7 +245,7 @@ def vmodel(m46_mod, tiny_dir):
     where this vLLM needs it) and post-processed as vLLM's loader does."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm_build import build_vllm_model, load_checkpoint
+    from support.vllm_build import build_vllm_model, load_checkpoint
 
     model = build_vllm_model(tiny_dir, load=False)
     with hotfix_mode_set("auto"):

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, vllm_release
+from support.paths import REPO
+
+from support.placement import vllm_release
 from support.programs import run_program
-import expected as table
-from test_prompt_conformance import MINE, PROMPT, V47_ENVS, image, real_geometry_copy, video, write_v47
+from support import expected as table
+from support.prompt import MINE, PROMPT, V47_ENVS, image, real_geometry_copy, video, write_v47
 from vllm_minicpm_hotfix.fixes import REGISTRY
 
 #: One release per family (A B C D). Tell scripts/test / .ci/run to run this module there.

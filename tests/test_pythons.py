@@ -23,9 +23,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, observed
-from e2e import clean_env, make_bundle, overlay_env, pip_install
-from hotfix_log import patched_pids
+from support.observed import observed
+from support.paths import REPO, TINY
+from support.venvs import clean_env, make_bundle, overlay_env, pip_install
+from support.hotfix_log import patched_pids
 from support.programs import run_reporting
 
 from vllm_minicpm_hotfix import _bootstrap

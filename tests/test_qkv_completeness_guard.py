@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, hotfix
+from support.hotfix import hotfix
+from support.paths import TINY
 from safetensors.torch import save_file
-from vllm_build import build_vllm_model, checkpoint_tensors
+from support.vllm_build import build_vllm_model, checkpoint_tensors
 
-from test_reliability import (  # the bad checkpoints' builders and vLLM's two ways of loading them, shared
+from support.bad_checkpoints import (  # the bad checkpoints' builders and vLLM's two ways of loading them
     fused_only,
     load_like_vllm,
     start_up,
@@ -274,7 +275,7 @@ def gptq_vitqkv(tmp_path_factory) -> dict[str, Path]:
     """The tiny checkpoint with the language model and the vit_merger q/k/v packed GPTQ (tests/quant_checkpoints.py,
     tests/test_quantized.py's ``gptq_vitqkv``): complete, and without ``k_proj.qweight`` (its scales and zeros kept,
     so k is still a quantized shard to vLLM and to the quantized_vision fix)."""
-    import quant_checkpoints as qc
+    from support import quant_checkpoints as qc
 
     root = tmp_path_factory.mktemp("guard-gptq")
     complete = root / "complete"
@@ -301,7 +302,7 @@ def load_quantized(path: Path):
 def test_quantized_qkv_loads_exact_under_auto(m46, gptq_vitqkv):
     """Every fix under auto (the guard where vLLM's q/k/v loading is correct, the loader where it is broken): each
     GPTQ part of the vit_merger's qkv_proj equals the checkpoint's q, k, v stacked, bit for bit."""
-    import quant_checkpoints as qc
+    from support import quant_checkpoints as qc
 
     ckpt = qc.read_tensors(gptq_vitqkv["complete"])
     with hotfix(m46, "auto", fixes=None) as st:

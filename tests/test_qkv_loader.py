@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_build import build_vllm_model, checkpoint_tensors
+from support.vllm_build import build_vllm_model, checkpoint_tensors
 
 from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError, load_session, load_weights
 

@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-import quant_checkpoints as qc
-from conftest import REPO, TINY
-
+from support import quant_checkpoints as qc
+from support.paths import REPO, TINY
 pytestmark = pytest.mark.placed("0.28.0")
 
 AWQ_SKIP = ["model.vision_tower", "model.merger", "lm_head", "linear_attn.in_proj_b", "linear_attn.in_proj_a"]
@@ -24,7 +23,7 @@ def awq(tmp_path_factory):
 
 
 def cli(*args: str, python=sys.executable, cwd=REPO) -> subprocess.CompletedProcess:
-    from e2e import clean_env
+    from support.venvs import clean_env
 
     return subprocess.run([str(python), "-m", "vllm_minicpm_hotfix", *args], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=900)  # fmt: skip

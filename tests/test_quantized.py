@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import quant_checkpoints as qc
-from conftest import TINY, hotfix, observed
-from vllm_build import build_vllm_model, load_checkpoint
+from support import quant_checkpoints as qc
+from support.hotfix import hotfix
+from support.observed import observed
+from support.paths import TINY
+from support.vllm_build import build_vllm_model, load_checkpoint
 
 from vllm_minicpm_hotfix import decision, quant_layout
 from vllm_minicpm_hotfix.cli import quant_report
@@ -100,8 +102,7 @@ def source(request, tmp_path_factory) -> Path:
     import subprocess
     import sys
 
-    from conftest import MAKE_CHECKPOINT
-
+    from support.paths import MAKE_CHECKPOINT
     out = tmp_path_factory.mktemp("tiny-v47") / "ckpt"
     subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(out), "--member", "4.7"], check=True, capture_output=True)
     return out

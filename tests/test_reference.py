@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hotfix
-from vllm_build import build_vllm_model, load_checkpoint, prepare_for_forward
+from support.hotfix import hotfix
+from support.vllm_build import build_vllm_model, load_checkpoint, prepare_for_forward
 
 H, W = 4, 6  # patch grid of one image: 6 windows of 2x2
 

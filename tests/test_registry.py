@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-import expected as table
+from support import expected as table
 import pytest
 
 import vllm_minicpm_hotfix

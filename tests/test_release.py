@@ -14,8 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
-
+from support.paths import REPO
 import vllm_minicpm_hotfix
 from vllm_minicpm_hotfix.cli import releases
 from vllm_minicpm_hotfix.cli.doctor import table as doctor_render, verdict as doctor_judge

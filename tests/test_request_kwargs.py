@@ -21,8 +21,9 @@ import typing
 
 import numpy as np
 import pytest
-from conftest import TINY, hotfix
-from test_processor_downsample_mode import vllm_process
+from support.hotfix import hotfix
+from support.paths import TINY
+from support.processor import vllm_process
 
 from vllm_minicpm_hotfix.fixes import _mm_prompt as mp
 from vllm_minicpm_hotfix.fixes import request_kwargs as fix
@@ -326,7 +327,7 @@ def test_encoder_budget_recorder_is_set_when_vllm_imports_it():
     cache size is its second value."""
     import os
 
-    from conftest import REPO
+    from support.paths import REPO
     from support.programs import run_reporting
 
     env = {**os.environ, "PYTHONPATH": "", "VLLM_TARGET_DEVICE": "cpu"}
@@ -362,7 +363,7 @@ def test_model_level_kwargs_refused_when_the_processor_is_built(m46):
     """vLLM's start-up asks the processing info for its token counts (``MultiModalBudget``) before any ``apply``: the
     model-level kwargs are refused when vLLM builds the processor, every refused key in one error. Stock vLLM (with
     the prerequisites) builds it and refuses nothing: its token count fails or answers, naming none of the keys."""
-    import hostile_cases
+    from support import hostile_cases
 
     bad = hostile_cases.model_level_bad()
     with hotfix(m46, "auto", fixes=PREREQUISITES):
@@ -388,7 +389,7 @@ def test_model_level_kwargs_refused_when_the_processor_is_built(m46):
 def test_refusal_leaves_the_processor_cache(m46):
     """A refused request leaves vLLM's processor cache as it was: the same image, valid next, gives what a processor
     that never saw the refused request gives."""
-    from test_prompt_conformance import make_pair, vllm_ids
+    from support.prompt import make_pair, vllm_ids
 
     img = image(*SIZE, seed=3)
     with hotfix(m46, "auto", fixes=None):

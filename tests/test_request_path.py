@@ -17,7 +17,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import TINY, hotfix
+from support.hotfix import hotfix
+from support.paths import TINY
 from PIL import Image
 
 from vllm_minicpm_hotfix import record

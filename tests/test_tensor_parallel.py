@@ -18,14 +18,16 @@ import sys
 
 import pytest
 import torch
-from conftest import FULL_ENVS, REPO, hotfix
-from vllm_build import build_vllm_model, checkpoint_tensors, prepare_for_forward
+from support.hotfix import hotfix
+from support.paths import REPO
+from support.placement import FULL_ENVS
+from support.vllm_build import build_vllm_model, checkpoint_tensors, prepare_for_forward
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 
 PREFIX = "model.vision_tower.vit_merger.self_attn."
 WORLD = 2
-RANK_SCRIPT = REPO / "tests" / "tp_rank.py"
+RANK_SCRIPT = REPO / "tests" / "support" / "tp_rank.py"
 TIMEOUT_S = 420
 
 
@@ -74,7 +76,7 @@ def ckpt(tiny) -> dict[str, torch.Tensor]:
 def tp1_output(m46, tiny) -> torch.Tensor:
     """The same forward at TP=1: the whole model built in this process (hotfix forced), its vit_merger post-processed
     as vLLM's loader does, the self-attention run on the ranks' input."""
-    from tp_rank import fixed_input
+    from support.tp_rank import fixed_input
     from vllm.config import set_current_vllm_config
 
     with hotfix(m46, "force"):

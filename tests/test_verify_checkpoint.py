@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FULL_ENVS, TINY
+from support.paths import TINY
+from support.placement import FULL_ENVS
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import SEED_ERA_ERROR, hotfix
-from vllm_build import build_vllm_model, checkpoint_tensors, load_checkpoint
+from support.hotfix import SEED_ERA_ERROR, hotfix
+from support.vllm_build import build_vllm_model, checkpoint_tensors, load_checkpoint
 
 from vllm_minicpm_hotfix import decision
 from vllm_minicpm_hotfix.fixes import _base, qkv_loader

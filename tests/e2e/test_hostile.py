@@ -23,13 +23,13 @@ from __future__ import annotations
 import sys
 
 import pytest
-from hotfix_log import patched_pids
+from support.hotfix_log import patched_pids
 
-import hostile_cases
-import hostile_driver
-from e2e import clean_env
-from e2e.server import HEALTHY_WITHIN_S, serving
-from e2e.test_engine_serve import has_serve_flag
+from support import hostile_cases
+from support import hostile_driver
+from support.venvs import clean_env
+from support.server import HEALTHY_WITHIN_S, serving
+from support.serving import has_serve_flag
 
 RELEASES = ("0.22.1", "0.24.0", "0.30.0", "0.32.0")
 pytestmark = pytest.mark.placed(*RELEASES)

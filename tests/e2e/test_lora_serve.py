@@ -37,13 +37,13 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, TINY
-from hotfix_log import patched_pids, summaries
+from support.paths import REPO, TINY
+from support.hotfix_log import patched_pids, summaries
 
-from e2e import LEAVE_OUT_SITE, clean_env
-from e2e.peft_site import peft_site
-from e2e.server import FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, healthy, post, serving
-from e2e.test_engine_serve import SERVE_ARGS
+from support.venvs import LEAVE_OUT_SITE, clean_env
+from support.peft_site import peft_site
+from support.server import FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, healthy, post, serving
+from support.serving import SERVE_ARGS
 from vllm_minicpm_hotfix.fixes import lora_support
 
 RELEASES = ("0.23.0",)
@@ -68,7 +68,7 @@ def prepared(pip_env, tmp_path_factory):
     without = Server(pip_env, env, tmp / "without.log", cwd=tmp, args=SERVE_ARGS + LORA_ARGS)
     try:
         proc = subprocess.run(
-            [sys.executable, str(REPO / "tests" / "lora_adapter.py"), str(TINY), str(tmp / "adapters"), PROMPT,
+            [sys.executable, str(REPO / "tests" / "support" / "lora_adapter.py"), str(TINY), str(tmp / "adapters"), PROMPT,
              str(MAX_TOKENS)],
             env=clean_env(PYTHONPATH=str(site)), cwd=tmp, capture_output=True, text=True, timeout=600, check=False,
         )
@@ -76,7 +76,7 @@ def prepared(pip_env, tmp_path_factory):
         reference = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"\nreference (transformers + peft) after {time.monotonic() - started:.0f} s: {reference}")
         tower = subprocess.run(
-            [sys.executable, str(REPO / "tests" / "lora_tower_adapter.py"), str(TINY), str(tmp / "adapters" / "tower")],
+            [sys.executable, str(REPO / "tests" / "support" / "lora_tower_adapter.py"), str(TINY), str(tmp / "adapters" / "tower")],
             env=clean_env(PYTHONPATH=str(site)), cwd=tmp, capture_output=True, text=True, timeout=600, check=False,
         )
         assert tower.returncode == 0, tower.stdout[-3000:] + tower.stderr[-5000:]

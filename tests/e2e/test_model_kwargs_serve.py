@@ -22,12 +22,12 @@ import json
 import re
 
 import pytest
-from hotfix_log import summaries
+from support.hotfix_log import summaries
 
-import hostile_cases
-from e2e import LEAVE_OUT_SITE, clean_env
-from e2e.server import FAILS_WITHIN_S, serving
-from e2e.test_bug_report_serve import CPU_ARGS
+from support import hostile_cases
+from support.venvs import LEAVE_OUT_SITE, clean_env
+from support.server import FAILS_WITHIN_S, serving
+from support.serving import CPU_ARGS
 
 pytestmark = pytest.mark.placed("0.30.0")
 

@@ -46,11 +46,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from hotfix_log import patched_pids
-import ray_cluster
-from conftest import REPO, TINY
-
-from e2e import clean_env, overlay_env, pip_install
+from support.hotfix_log import patched_pids
+from support import ray_cluster
+from support.paths import REPO, TINY
+from support.venvs import clean_env, overlay_env, pip_install
 
 RAY_RELEASES = ("0.28.0",)
 JOB_TIMEOUT_S = 480
@@ -130,7 +129,7 @@ def jobs(cluster, ray_work, plain_py, pip_py, bundle_dir, base_env) -> dict[str,
     driver's folders on the workers' ``sys.path``): ``{name: {"rc", "log", "seconds", "result"}}``."""
     scratch = ray_work / "drivers"
     scratch.mkdir()
-    shutil.copy(REPO / "tests" / "ray_driver.py", scratch)
+    shutil.copy(REPO / "tests" / "support" / "ray_driver.py", scratch)
     runtime_env = json.dumps({"env_vars": {"PYTHONPATH": str(bundle_dir)}})
     specs = {
         # Routes 1 and 2 arm each node by itself (its own site-packages / PYTHONPATH): one actor each. Route 3 is
@@ -217,7 +216,7 @@ def test_stock_actor_fails_with_this_releases_error(jobs, expected):
 
 
 def test_route1_pip_installed_on_every_node(jobs, cluster, pip_py):
-    from e2e import site_packages
+    from support.venvs import site_packages
 
     assert_route(jobs, cluster, "pip", ("pip_a",), "pth", str(site_packages(pip_py)))
 

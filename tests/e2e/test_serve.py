@@ -21,12 +21,11 @@ import sys
 import time
 
 import pytest
-from hotfix_log import patched_pids, summaries
-from conftest import REPO
-
-from e2e import clean_env
+from support.hotfix_log import patched_pids, summaries
+from support.paths import REPO
+from support.venvs import clean_env
 from support.programs import run_reporting
-from e2e.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat, chat_kwargs, serving
+from support.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat, chat_kwargs, serving
 
 E2E_RELEASES = ("0.28.0",)
 pytestmark = pytest.mark.placed(*E2E_RELEASES)

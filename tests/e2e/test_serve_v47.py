@@ -29,12 +29,12 @@ import sys
 import time
 
 import pytest
-from hotfix_log import summaries
+from support.hotfix_log import summaries
 
-from e2e import clean_env
-from e2e.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
-from e2e.test_engine_serve import SERVE_ARGS
-from test_prompt_conformance import image, write_v47
+from support.venvs import clean_env
+from support.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
+from support.serving import SERVE_ARGS
+from support.prompt import image, write_v47
 
 RELEASES = ("0.32.0",)
 pytestmark = pytest.mark.placed(*RELEASES)

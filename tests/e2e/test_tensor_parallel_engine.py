@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 
 import pytest
-from hotfix_log import patched_pids
+from support.hotfix_log import patched_pids
 import torch
-from conftest import REPO, TINY
-from vllm_build import checkpoint_tensors
+from support.paths import REPO, TINY
+from support.vllm_build import checkpoint_tensors
 
-from e2e import clean_env
+from support.venvs import clean_env
 
 #: Two engine starts: one release whose q/k/v loading is broken (the hotfix must patch every rank).
 E2E_RELEASES = ("0.28.0",)

@@ -20,11 +20,11 @@ import json
 import time
 
 import pytest
-from hotfix_log import patched_pids, summaries
-from test_video_loader import WORKAROUND, data_url, write_video
+from support.hotfix_log import patched_pids, summaries
+from support.video import WORKAROUND, data_url, write_video
 
-from e2e import LEAVE_OUT_SITE, clean_env
-from e2e.server import HEALTHY_WITHIN_S, post, serving
+from support.venvs import LEAVE_OUT_SITE, clean_env
+from support.server import HEALTHY_WITHIN_S, post, serving
 from vllm_minicpm_hotfix.fixes import video_loader
 
 pytestmark = pytest.mark.placed("0.24.0", "0.28.0")

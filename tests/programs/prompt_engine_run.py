@@ -58,7 +58,7 @@ def main(spec_path: str) -> None:
 
     vllm_minicpm_hotfix.install()
 
-    from test_prompt_conformance import image, video  # the same items as the processor sweep
+    from support.prompt import image, video  # the same items as the processor sweep
     from vllm import LLM, SamplingParams
 
     spec = json.loads(Path(spec_path).read_text())

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from e2e import run_uv
+from support.venvs import run_uv
 
 #: The pinned wheels (pure Python).
 PINS = ("peft==0.21.2", "accelerate==1.15.0")

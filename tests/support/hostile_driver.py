@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from e2e.server import Server, png_data_url, post
-from hostile_cases import Case, broken_media, make_image
+from support.server import Server, png_data_url, post
+from support.hostile_cases import Case, broken_media, make_image
 
 REQUEST_TIMEOUT_S = 120
 RUN_BUDGET_S = 900

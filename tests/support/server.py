@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from conftest import TINY
+from support.paths import TINY
 
 HEALTHY_WITHIN_S = 480
 FAILS_WITHIN_S = 420

@@ -59,7 +59,7 @@ def ray_packages(python: str | os.PathLike = sys.executable) -> Path:
     dest = CACHE / f"ray-{RAY_VERSION}-{tag}"
     if (dest / STAMP).is_file():
         return dest
-    from e2e import uv
+    from support.venvs import uv
 
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     cmd = [uv(), "pip", "install", "--no-deps", "--target", str(tmp), "--python", str(python),
@@ -78,7 +78,7 @@ def ray_packages(python: str | os.PathLike = sys.executable) -> Path:
 
 def link_ray(python: str | os.PathLike) -> None:
     """Link ray and msgpack into the overlay venv of ``python`` (its site-packages; nothing is copied)."""
-    from e2e import site_packages
+    from support.venvs import site_packages
 
     site = site_packages(python)
     for entry in ray_packages().iterdir():

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 PREFIX = "model.vision_tower.vit_merger.self_attn."
