@@ -25,26 +25,14 @@ def test_every_fix_has_the_interface():
         by_name("nope")
 
 
-#: The fixes whose tests live in a module named after a subject several fixes share (the prompt, the engine, the
-#: quantized checkpoints), not in tests/test_<NAME>.py; every other fix has its own test file of its NAME.
-TESTED_TOGETHER = {
-    "hf_processor_version": "test_prompt_conformance", "mm_placeholders": "test_prompt_conformance",
-    "video_image_id_cache": "test_prompt_conformance", "encoder_modes": "test_engine_fixes",
-    "video_tower": "test_engine_fixes", "video_budget": "test_engine_fixes", "placeholder_guard": "test_engine_fixes",
-    "quantized_vision": "test_quantized", "unsupported_quant_method": "test_quantized",
-}
-
-
 def test_one_name_per_fix():
-    """A fix's NAME is its module's name, and the name of its test file (or of the shared one it is tested in)."""
-    from pathlib import Path
+    """A fix's NAME is its module's name, and the name of its test file, tests/fixes/test_<NAME>.py."""
+    from support.paths import REPO
 
-    tests = Path(__file__).parent
+    tests = REPO / "tests" / "fixes"
     for fix in REGISTRY:
         assert fix.__name__ == f"vllm_minicpm_hotfix.fixes.{fix.NAME}", (fix.__name__, fix.NAME)
-        test_file = TESTED_TOGETHER.get(fix.NAME, f"test_{fix.NAME}")
-        assert (tests / f"{test_file}.py").is_file(), (fix.NAME, test_file)
-    assert set(TESTED_TOGETHER) <= set(names())
+        assert (tests / f"test_{fix.NAME}.py").is_file(), (fix.NAME, f"tests/fixes/test_{fix.NAME}.py")
 
 
 @pytest.mark.parametrize("name", names())

@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.placed("0.28.0")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_generated_sections_match_the_recorded_run():
