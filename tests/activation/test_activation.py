@@ -27,7 +27,7 @@ from support.hotfix_log import patched_pids, summaries
 from support.programs import run_program, run_reporting
 
 from vllm_minicpm_hotfix import _bootstrap, bundle
-from support.activation import HEAVY, started, import_m46  # noqa: F401
+from support.activation import HEAVY, started, import_m46
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 

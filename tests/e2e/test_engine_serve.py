@@ -34,19 +34,17 @@ fifth server here.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 
 import openai
 import pytest
 from support.hotfix_log import patched_pids, summaries
-from support.hotfix import hotfix
 from support.venvs import LEAVE_OUT_SITE, clean_env
 from support.server import HEALTHY_WITHIN_S, chat, chat_kwargs, dev_post, healthy, serving
 from vllm_minicpm_hotfix.fixes import names
-from support.serving import find_kill_request  # noqa: F401
-from support.serving import SERVE_ARGS, SERVER_EXTRA_ENV, WEIGHTS_LOADED, LEAVE_OUT, KILL_SIZE, image  # noqa: F401
+from support.serving import find_kill_request
+from support.serving import SERVE_ARGS, SERVER_EXTRA_ENV, WEIGHTS_LOADED, LEAVE_OUT, KILL_SIZE, image
 
 #: release -> family (notes: A = 0.22.x-0.23.0, B = 0.24.0, C = 0.25-0.31, D = 0.32-0.33): one release per family.
 RELEASES = {"0.22.1": "A", "0.24.0": "B", "0.28.0": "C", "0.32.0": "D"}

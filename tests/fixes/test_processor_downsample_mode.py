@@ -20,7 +20,6 @@ model built on CPU from the bundled tiny checkpoint, :mod:`vllm_build`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import json
 import shutil
@@ -38,7 +37,7 @@ from vllm_minicpm_hotfix import decision, hook, record
 from vllm_minicpm_hotfix.fixes import _base, hf_processor_version, qkv_loader
 from vllm_minicpm_hotfix.fixes import processor_downsample_mode as processor_fix
 from vllm_minicpm_hotfix.record import FixStatus
-from support.processor import vllm_process  # noqa: F401
+from support.processor import vllm_process
 
 TINY = Path(vllm_minicpm_hotfix.__file__).parent / "data" / "tiny-minicpm-v46"
 INFO = "MiniCPMV4_6ProcessingInfo"

@@ -15,7 +15,6 @@ reference already and the fix is not applied. tests/e2e/test_video_serve.py send
 
 from __future__ import annotations
 
-import base64
 import importlib
 import inspect
 import json
@@ -28,7 +27,7 @@ import pytest
 from support.hotfix import hotfix
 from support.paths import TINY
 from vllm_minicpm_hotfix.fixes import video_loader
-from support.video import WORKAROUND, FRAMES, WIDTH, HEIGHT, write_video, decoded_frames, data_url  # noqa: F401
+from support.video import WORKAROUND, FRAMES, WIDTH, HEIGHT, write_video, decoded_frames, data_url
 
 
 def connector_cls():

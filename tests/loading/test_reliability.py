@@ -22,10 +22,7 @@ Three parts, all on the real vLLM of this environment (CPU):
 
 from __future__ import annotations
 
-import functools
-import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,16 +30,14 @@ from pathlib import Path
 import pytest
 import torch
 from support.hotfix import hotfix
-from support.paths import TINY
 from support.placement import FULL_ENVS
 from support.venvs import clean_env, overlay_env, pip_install, site_packages
 from support.hotfix_log import patched_pids, summaries
-from safetensors.torch import save_file
 from support.programs import PROGRAMS, run_reporting
-from support.vllm_build import build_vllm_model, checkpoint_tensors, ensure_distributed, iter_checkpoint, make_vllm_config
+from support.vllm_build import build_vllm_model, checkpoint_tensors, iter_checkpoint, make_vllm_config
 
 from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError
-from support.bad_checkpoints import P, QKV, base, CHECKPOINTS, bad, start_up_fails, load_like_vllm, reference, assert_model_equals, hotfix_active  # noqa: F401
+from support.bad_checkpoints import P, QKV, base, CHECKPOINTS, bad, start_up_fails, load_like_vllm, reference, assert_model_equals, hotfix_active
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 #: The fresh interpreters of parts 2 and 3 that exercise the hook's own machinery (its code raising, reload, threads,

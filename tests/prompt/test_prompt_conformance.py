@@ -33,15 +33,7 @@ Sizes avoid 1 and 3 pixel sides (transformers then guesses the channel axis of t
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
-import re
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,10 +41,9 @@ import pytest
 import vllm_minicpm_hotfix
 from support import expected as table
 from support.hotfix import hotfix
-from support.paths import MAKE_CHECKPOINT, TINY
 from support.placement import vllm_release
 from vllm_minicpm_hotfix.fixes import _base, by_name
-from support.prompt import MINE, PROBE_BROKEN, PROBE_BROKEN_EXTRA, STOCK_CASES, STOCK, STOCK_V47, STOCK_EXTRA, REAL47, REQUEST_KWARGS, MODEL_KWARGS, seeded_sizes, image, video, sizes_for, Pair, vllm_ids, hf_ids, classify, summary, compare, assert_all_equal, family, pairs, _one_torch_thread, _report_times, timed, with_hotfix, stock  # noqa: F401
+from support.prompt import _cached_prompts, checkpoints, MINE, PROBE_BROKEN, PROBE_BROKEN_EXTRA, STOCK_CASES, STOCK, STOCK_V47, STOCK_EXTRA, REAL47, REQUEST_KWARGS, MODEL_KWARGS, seeded_sizes, image, video, sizes_for, classify, summary, compare, assert_all_equal, family, pairs, _one_torch_thread, _report_times, timed, with_hotfix, stock  # noqa: F401 - fixtures
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -140,24 +131,6 @@ def test_several_items_and_numpy(m46, pairs, ckpt):
         assert_all_equal(pair, cases)
 
 
-def _cached_prompts(pair: Pair) -> tuple[list[int], list[int]]:
-    """Prompt 1 with video A, then prompt 2 with [B, A] through the same processor cache: vLLM's ids for prompt 2,
-    transformers' ids for prompt 2."""
-    a, b = video(56, 56, 1), video(84, 56, 1)
-    vllm_ids(pair, "video", [a], {})
-    return vllm_ids(pair, "video", [b, a], {}), hf_ids(pair, "video", [b, a], {})
-
-
-def test_cached_items(m46, pairs):
-    """Items served from vLLM's processor cache get their index in the new prompt (images and videos)."""
-    pair = pairs("real", cache=True)
-    with timed("cache"), with_hotfix(m46):
-        got, want = _cached_prompts(pair)
-        assert got == want, (summary(pair.tokenizer, got), summary(pair.tokenizer, want))
-        c, d = image(365, 211), image(449, 449)
-        vllm_ids(pair, "image", [c], {})
-        assert vllm_ids(pair, "image", [d, c], {}) == hf_ids(pair, "image", [d, c], {})
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # Stock: the defects, as pinned per release
@@ -202,20 +175,6 @@ def test_stock_defects(m46, pairs, family, ckpt):
     assert all(o == "equal" for o, _ in fixed.values()), {k: v for k, v in fixed.items() if v[0] != "equal"}
 
 
-def test_stock_version_crash(m46, pairs, family):
-    """0.23.0: stock vLLM's processor raises the ``version`` AttributeError on any image (start-up profiling dies
-    the same way); hf_processor_version makes it transformers' own processor. Elsewhere stock processes images."""
-    pair = pairs("tiny")
-    with hotfix(m46, "auto", fixes=("processor_downsample_mode",)):
-        outcome, detail = compare(pair, "image", [image(64, 64)], {})
-    if vllm_release() == "0.23.0":
-        assert outcome == "AttributeError" and "has no attribute 'version'" in detail, detail
-    else:
-        assert outcome == "equal", detail
-    with with_hotfix(m46):
-        assert compare(pair, "image", [image(64, 64)], {})[0] == "equal"
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # The probes, the status record, the modes
 # --------------------------------------------------------------------------------------------------------------------
@@ -257,77 +216,3 @@ def test_status_and_modes(m46, family, mode):
         assert not _base.is_patched(by_name(name), m46)
 
 
-def test_concurrent_requests(m46, pairs):
-    """Threads processing requests with different kwargs at once on one vLLM processor (as a shared server does)
-    each get their own request's prompt: the request reaches the text producers through a ContextVar.
-
-    Deterministically concurrent: the first time each thread's placeholder producer asks vLLM's
-    ``InputProcessingContext.get_hf_processor`` for transformers' processor -- after the fix has set that thread's
-    request, before the producer reads it -- it waits at a barrier until all four threads are there. So every request
-    is set before any is read; a request held in a process-wide variable would give three threads another request's
-    prompt (checked: such a variant of ``_mm_prompt.REQUEST`` fails here, this one passes)."""
-    import threading
-
-    from vllm_minicpm_hotfix.fixes import _mm_prompt as mp
-
-    pair = pairs("real")
-    jobs = [
-        ("image", [image(449, 448)], {"slice_mode": False}),
-        ("image", [image(449, 448)], {"max_slice_nums": 1, "use_image_id": False}),
-        ("image", [image(900, 300)], {"scale_resolution": 224}),
-        ("video", [video(700, 400, 2)], {"max_slice_nums": 2}),
-    ]
-    ctx = pair.vllm.info.ctx
-    own = ctx.get_hf_processor
-    barrier = threading.Barrier(len(jobs), timeout=60)
-    met: set[int] = set()
-
-    def get_hf_processor(*args, **kwargs):
-        me = threading.get_ident()
-        if mp.current() is not None and me not in met:  # inside a replacement: this thread's request is set
-            met.add(me)
-            barrier.wait()
-        return own(*args, **kwargs)
-
-    with timed("concurrent"), with_hotfix(m46):
-        want = [hf_ids(pair, m, items, kw) for m, items, kw in jobs]
-        errors: list = []
-
-        def worker(i: int) -> None:
-            try:
-                for _ in range(2):
-                    m, items, kw = jobs[i]
-                    assert vllm_ids(pair, m, items, kw) == want[i], (i, kw)
-            except BaseException as exc:  # reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
-        object.__setattr__(ctx, "get_hf_processor", get_hf_processor)  # vLLM's context is a frozen dataclass
-        try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=300)
-        finally:
-            object.__delattr__(ctx, "get_hf_processor")
-    assert not any(t.is_alive() for t in threads), "a request thread did not finish in 300 s"
-    assert not errors, errors
-    assert len(met) == len(jobs) and not barrier.broken, "the four requests were not in their producers together"
-
-
-def test_subclasses_keep_vllm_behaviour(m46):
-    """A subclass of vLLM's 4.6 classes that no family member owns (defined here, not in vLLM's 4.6 / 4.7 modules)
-    gets vLLM's own placeholder, fix applied or not (tests/test_family.py covers every fix)."""
-    from vllm.multimodal.parse import ImageSize
-
-    from vllm_minicpm_hotfix.fixes import _mm_prompt as mp
-
-    info_cls = getattr(m46, "MiniCPMV4_6ProcessingInfo")
-    sub = type("SubInfo", (info_cls,), {})
-    native = mp.stand_in_hf_processor()
-    stand_in = mp.stand_in_info(sub, native, image_processor=mp.ModeDefaultingImageProcessor(native.image_processor))
-    own = info_cls.get_slice_image_placeholder(stand_in, ImageSize(130, 82))
-    with hotfix(m46, "force", fixes=("mm_placeholders",)):
-        assert sub.get_slice_image_placeholder(stand_in, ImageSize(130, 82)) == own
-        fixed = info_cls.get_slice_image_placeholder(mp.stand_in_info(info_cls, native), ImageSize(130, 82))
-    assert fixed.count("<|image_pad|>") == 4  # transformers' count for 130x82 at scale 112 (vLLM 0.22-0.23: 6)

@@ -432,3 +432,11 @@ def stock(m46):
     with hotfix(m46, "auto", fixes=PREREQUISITES) as statuses:
         yield statuses
 
+
+def _cached_prompts(pair: Pair) -> tuple[list[int], list[int]]:
+    """Prompt 1 with video A, then prompt 2 with [B, A] through the same processor cache: vLLM's ids for prompt 2,
+    transformers' ids for prompt 2."""
+    a, b = video(56, 56, 1), video(84, 56, 1)
+    vllm_ids(pair, "video", [a], {})
+    return vllm_ids(pair, "video", [b, a], {}), hf_ids(pair, "video", [b, a], {})
+
