@@ -28,7 +28,7 @@ alternating, as medians with their ratio B/A and a 95% bootstrap interval.
    at concurrency 4 (benchmarks/serve_bench.py): wall per request (1 / throughput), time to first token, server CPU.
 
 The environments with the package are throwaway overlays of the shared vLLM environment, made with the test suite's
-helpers (tests/e2e/__init__.py): the wheel built from this tree and installed with ``uv pip install --no-deps``, and a
+helpers (tests/support/venvs.py): the wheel built from this tree and installed with ``uv pip install --no-deps``, and a
 bundle written by ``vllm-minicpm-hotfix bundle``. Nothing is installed into the shared environments.
 """
 

@@ -6,7 +6,7 @@
 * PYTHONPATH injection -> the top-level ``sitecustomize.py``, alone or in a ``vllm-minicpm-hotfix bundle`` folder
   (vllm_minicpm_hotfix/bundle.py) with its pure-Python wrapt.
 
-"Installed" always means a throwaway overlay of this environment (tests/e2e/__init__.py), never the shared one.
+"Installed" always means a throwaway overlay of this environment (tests/support/venvs.py), never the shared one.
 Only three tests import vLLM (~30 s each); the rest start bare interpreters (~50 ms).
 """
 
@@ -66,7 +66,7 @@ def test_wheel_ships_pth_start_entry_point_and_no_sitecustomize(wheel):
 
 def test_editable_install_ships_the_pth(work, tmp_path):
     """``uv pip install -e .`` (PEP 660, hatchling's editable wheel): the .pth and the .start file land in
-    site-packages and arm the hotfix from the source tree. (tests/test_install_modes.py: ``pip install -e .``.)"""
+    site-packages and arm the hotfix from the source tree. (tests/activation/test_install_modes.py: ``pip install -e .``.)"""
     src = source_copy(tmp_path / "src")
     python = overlay_env(tmp_path / "env")
     pip_install(python, "-e", str(src))

@@ -31,7 +31,7 @@ def fresh_python(program: str, **env: str) -> tuple[dict, str]:
 
 #: ``auto`` decides per release, so its fresh interpreter runs everywhere; ``force`` and ``off`` do not depend on the
 #: release's verdicts (every fix applied / none), so theirs run where the other fresh-interpreter modules run: one
-#: release whose q/k/v loading is broken and one where it is correct (conftest.FULL_ENVS). In this process every mode
+#: release whose q/k/v loading is broken and one where it is correct (support.placement.FULL_ENVS). In this process every mode
 #: runs everywhere (test_the_hook_logs_one_warning_line_per_process).
 FRESH_MODES = ["auto", *(pytest.param(m, marks=pytest.mark.placed(*FULL_ENVS)) for m in ("force", "off"))]
 
@@ -133,7 +133,7 @@ def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatc
 
 
 def _about_subclass(rec: logging.LogRecord) -> bool:
-    """A line about a class no family member owns (tests/family_subclass.py registers a "4.8" in this session)."""
+    """A line about a class no family member owns (tests/support/family_subclass.py registers a "4.8" in this session)."""
     return "is no member of the family" in rec.getMessage()
 
 

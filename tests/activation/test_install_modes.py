@@ -2,9 +2,9 @@
 ``pip install --target DIR`` + ``PYTHONPATH=DIR``. Each activates the hotfix, or ``doctor`` explains why not.
 
 Covered elsewhere: the wheel installed by ``uv pip install`` into a venv (the ``pip_env`` fixture;
-``tests/test_activation.py::test_pth_activates_on_import_and_plugin_is_idempotent`` imports vLLM there),
-``uv pip install -e .`` (``tests/test_activation.py::test_editable_install_ships_the_pth``), and the ``.start`` file read
-by a Python that implements PEP 829 (``tests/test_pep829.py``). Three vLLM processes (~40 s each), so it is placed on
+``tests/activation/test_activation.py::test_pth_activates_on_import_and_plugin_is_idempotent`` imports vLLM there),
+``uv pip install -e .`` (``tests/activation/test_activation.py::test_editable_install_ships_the_pth``), and the ``.start`` file read
+by a Python that implements PEP 829 (``tests/activation/test_pep829.py``). Three vLLM processes (~40 s each), so it is placed on
 one release, 0.28.0, where stock vLLM is broken and the editable install's patch shows.
 """
 

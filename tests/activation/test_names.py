@@ -6,7 +6,7 @@ name the package defines (in :mod:`vllm_minicpm_hotfix._bootstrap`, :mod:`vllm_m
 :mod:`vllm_minicpm_hotfix.decision`). These tests keep the copies equal to the definitions; everything else imports
 the definition.
 
-Placed on the two full environments (tests/conftest.py ``FULL_ENVS``): the names do not depend on the vLLM release.
+Placed on the two full environments (``support.placement.FULL_ENVS``): the names do not depend on the vLLM release.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Pythons, so this module needs one named by ``VLLM_MINICPM_HOTFIX_PEP829_PYTHON``
 scripts/test sets it to what ``scripts/pep829-python`` prints: Debian's own python3.15 binary packages, downloaded
 and unpacked (nothing is built). The module is placed on 0.28.0; without the variable every test here FAILS with
 that reason (never skipped, never reported as passing). The plain-Python half (the entry point
-resolves with ``pkgutil.resolve_name`` and arms the finder once) runs everywhere: tests/test_install_modes.py.
+resolves with ``pkgutil.resolve_name`` and arms the finder once) runs everywhere: tests/activation/test_install_modes.py.
 
 vLLM has no build for that Python, so the finder's ``import vllm`` trigger is shown with a stand-in ``vllm`` package
 (an empty ``__init__.py``): the finder must fire on it, import the hotfix and register the post-import hook with a

@@ -40,7 +40,7 @@ BUNDLE_MADE_BY = {"3.12": "3.13", "3.13": "suite"}
 @pytest.fixture(scope="module")
 def broken_release(release, expected) -> str:
     if expected[0] != "broken" or not expected[1]:
-        pytest.fail(f"tests/test_pythons.py must run on a release where stock vLLM is broken (0.28.0), not {release}: "
+        pytest.fail(f"tests/activation/test_pythons.py must run on a release where stock vLLM is broken (0.28.0), not {release}: "
                     f"its placement (pytestmark) says where")
     return release
 

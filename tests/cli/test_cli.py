@@ -11,7 +11,7 @@ Set-ups (each a way the hotfix can be present in an environment, built once per 
 * ``bundle`` -- ``vllm-minicpm-hotfix bundle DIR`` and ``PYTHONPATH=DIR``, run as ``python -m vllm_minicpm_hotfix``
   (the bundle's copy).
 
-What each release should give comes from ``tests/expected.py`` (the q/k/v verdict and stock vLLM's load error) and
+What each release should give comes from ``tests/support/expected.py`` (the q/k/v verdict and stock vLLM's load error) and
 from the installed transformers (whether its image processor takes ``downsample_mode``, which no vLLM 0.22-0.33
 passes). Each ``doctor`` with vLLM present and each ``verify`` that gets past its input checks is one fresh vLLM
 process (~20-30 s); bad-input ``verify`` runs and ``doctor`` without vLLM never import vLLM.
@@ -265,7 +265,7 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
     else:
         assert ("hotfix active" if active else "hotfix not active") in report["summary"]
     # The closing sentence, from the recorded run (docs/results/test-run.json) and this environment's row of
-    # tests/expected.py: is the package still needed, and does a measured release need none of what is needed here.
+    # tests/support/expected.py: is the package still needed, and does a measured release need none of what is needed here.
     needed = [f.NAME for f in REGISTRY if table.verdict(f.NAME, env) != "correct"]
     assert report["removal"]["needed"] == needed
     run = json.loads((REPO / "docs" / "results" / "test-run.json").read_text())

@@ -1,12 +1,12 @@
 """``vllm_minicpm_hotfix/cli/doctor/child.py``: the program ``doctor`` runs by path in fresh interpreters, here in its
 ``startup`` mode, in real interpreters of this environment (real start-up: ``site``, PYTHONPATH, the repository's
 ``sitecustomize.py``). Its ``vllm`` mode -- the fresh vLLM process -- is what every ``doctor`` run in
-tests/test_cli.py starts, for each way the hotfix can be present.
+tests/cli/test_cli.py starts, for each way the hotfix can be present.
 
 The point of running it by path: what it reports must be what the *environment* did at start-up, with nothing of the
 package imported by the child itself, and without its own folder (the package folder) on ``sys.path``.
 
-Placed where tests/test_cli.py runs the child's ``vllm`` mode (``FULL_ENVS``): start-up does not depend on the vLLM
+Placed where tests/cli/test_cli.py runs the child's ``vllm`` mode (``FULL_ENVS``): start-up does not depend on the vLLM
 release.
 """
 

@@ -6,7 +6,7 @@ Real files only: the bundled tiny checkpoint, re-split into shards with safetens
 downloads break (cut short, trailing bytes, a garbage or corrupt header, an unknown dtype). The reference for what a
 file holds is ``safetensors.torch.load_file`` and vLLM's iterator, not this module.
 
-Placed where ``verify`` itself is tested (tests/test_cli.py, ``FULL_ENVS``): every lock pins the same safetensors,
+Placed where ``verify`` itself is tested (tests/cli/test_cli.py, ``FULL_ENVS``): every lock pins the same safetensors,
 and vLLM's ``safetensors_weights_iterator`` has the same signature and order in 0.22-0.33.
 """
 

@@ -5,9 +5,9 @@ with the hotfix pip-installed (the ``pip_env`` session overlay), serving every c
   naming the item and both counts -- checked against the prompt's pads and the rows of vLLM's real vision tower
   computed here -- twice (the second time through the processor cache's path), and the same server then answers a
   normal image request ``200``. With every fix applied no such request is known any more (``mm_placeholders`` builds
-  the placeholder transformers builds for the tensors vLLM computes: tests/test_prompt_engine.py shows those requests
+  the placeholder transformers builds for the tensors vLLM computes: tests/prompt/test_prompt_engine.py shows those requests
   answered by a real engine), so this server runs with ``mm_placeholders`` *left out* by the test-only
-  ``sitecustomize`` of tests/e2e/leave_out_site (:data:`LEAVE_OUT`; its probe answers ``correct`` with a reason
+  ``sitecustomize`` of tests/programs/leave_out_site (:data:`LEAVE_OUT`; its probe answers ``correct`` with a reason
   saying so, in every process of the server): the stock-killing request of the notes (``{"max_slice_nums": 1}`` on 0.22-0.31, ``{"slice_mode":
   false}`` on 0.32, found by running vLLM's real processor and model in this process with the same fixes) then
   reaches the guard, the last line of defence against a mismatch no fix foresaw;
@@ -19,15 +19,15 @@ with the hotfix pip-installed (the ``pip_env`` session overlay), serving every c
 * the fixes are logged where they act: the guard in the API server, the encoder fix in the process that loads the
   weights;
 * on 0.28.0 (:data:`CACHE_RELEASES`), refusals leave vLLM's processor cache as it was: the cache cases of the hostile
-  run (tests/hostile_cases.py), sent to this server.
+  run (tests/support/hostile_cases.py), sent to this server.
 
-How stock vLLM fails on the same requests: ``tests/test_engine_fixes.py`` shows it on every release through vLLM's
+How stock vLLM fails on the same requests: ``tests/engine/test_engine_fixes.py`` shows it on every release through vLLM's
 processor, model and ``_merge_multimodal_embeddings`` (the call that kills EngineCore); on 0.32.0, where stock vLLM
 starts at all here (0.22-0.30 need the load fixes first), ``tests/e2e/test_engine_serve_stock.py`` runs one stock
 server: the engine dies on the request and the next request fails.
 
 Placed on one release per family (``RELEASES``; deselected elsewhere): one server per release, every check on it.
-That 0.23.0 starts (it cannot stock) is shown by tests/test_prompt_engine.py's engine there, not by a
+That 0.23.0 starts (it cannot stock) is shown by tests/prompt/test_prompt_engine.py's engine there, not by a
 fifth server here.
 """
 
@@ -192,7 +192,7 @@ CACHE_RELEASES = ("0.28.0",)
 
 @pytest.mark.placed(*CACHE_RELEASES)
 def test_refusals_leave_the_processor_cache(server):
-    """The cache cases of tests/hostile_cases.py, sent as the hostile run sends them (tests/hostile_driver.py):
+    """The cache cases of tests/support/hostile_cases.py, sent as the hostile run sends them (tests/support/hostile_driver.py):
 
     * the hotfix's refusal of a request for an image the processor cache already holds (``scale_resolution: 13``)
       leaves the cache as it was: the same image, valid next, is answered 200;

@@ -1,7 +1,7 @@
 """The hotfix in Ray workers: a real Ray cluster on this machine (seven raylets on loopback addresses, each a "node"
 with its own Python and environment), vLLM's model loaded in Ray actors pinned one per raylet, ``doctor --ray``.
 
-Nodes (tests/ray_cluster.py; ray 2.60.0's CPU wheel, linked into throwaway overlays of the test environment):
+Nodes (tests/support/ray_cluster.py; ray 2.60.0's CPU wheel, linked into throwaway overlays of the test environment):
 
 ========  ===========  =====================================================================================
 node      address      what the node runs
@@ -31,7 +31,7 @@ hotfix) on its own plain raylet fails with the ``k_proj`` error this release has
 Runs on one release, one where stock vLLM is broken (RAY_RELEASES); about 3-4 minutes on 2 cores, most of it the
 vLLM imports of five actors and the engine driver at once (routes 1 and 2 load in one actor each, on pip_a and
 bundle_a; route 3 in two, on node_a and node_b; pip_b and bundle_b are inspected by ``doctor --ray`` only). The jobs, the engine attempt and the doctor probes share one cluster, started once; each
-actor that imports vLLM has a raylet of its own (tests/ray_cluster.py RAY_CONFIG says why).
+actor that imports vLLM has a raylet of its own (tests/support/ray_cluster.py RAY_CONFIG says why).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ reference is ``AutoProcessor`` (``MiniCPMV4_7Processor``) of the same folder on 
 template renders, with the same image and kwargs:
 
 * ``{"slice_mode": false}`` on 449x448: stock vLLM's engine dies on it (``Attempted to assign N = N multimodal tokens
-  to M placeholders``: tests/test_prompt_engine.py's stock 4.7 engine);
+  to M placeholders``: tests/prompt/test_prompt_engine.py's stock 4.7 engine);
 * ``{"scale_resolution": 224}`` on 448x448: stock served it with 64 placeholders for 80 embeddings (surplus dropped);
 * ``{"use_image_id": false}``: stock keeps ``<image_id>0</image_id>``;
 * then a plain request, and ``/health``: the server is alive.

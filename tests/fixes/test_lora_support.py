@@ -4,7 +4,7 @@ What ``--enable-lora`` runs at start-up, without an engine: vLLM's model runner'
 load_lora_model(model, vllm_config, device)`` (``vllm/v1/worker/lora_model_runner_mixin.py``) on vLLM's model built
 on CPU from the bundled tiny checkpoint, with a real ``LoRAConfig``. Stock 0.22-0.24 raise ``ValueError:
 MiniCPMV4_6ForConditionalGeneration does not support LoRA yet.`` there (the pinned ``broken`` rows of
-tests/expected.py); with the fix (and stock 0.25+, where the class inherits ``SupportsLoRA``) vLLM's LoRA manager
+tests/support/expected.py); with the fix (and stock 0.25+, where the class inherits ``SupportsLoRA``) vLLM's LoRA manager
 wraps the language model's packed linear layers (``packed_modules_mapping``: ``qkv_proj``, ``gate_up_proj``,
 ``in_proj_qkvz``, ``in_proj_ba``) with its LoRA layers and, with ``enable_tower_connector_lora`` off, leaves the
 vision tower and connectors alone. Cheap (no engine): every environment.

@@ -5,7 +5,7 @@ clear error instead of vLLM's ``TypeError``.
 What a worker runs, without an engine: vLLM's model runner's ``LoRAModelRunnerMixin.load_lora_model`` (the LoRA
 manager wraps the model) on vLLM's model built on CPU from the bundled tiny checkpoint, then its
 ``LRUCacheWorkerLoRAManager.add_adapter`` with an adapter that peft writes for the vision tower's attention and MLP
-layers (tests/lora_tower_adapter.py, a fresh interpreter with peft from tests/e2e/peft_site.py) -- the call behind a
+layers (tests/support/lora_tower_adapter.py, a fresh interpreter with peft from tests/support/peft_site.py) -- the call behind a
 ``--lora-modules`` adapter at start-up and ``POST /v1/load_lora_adapter``. The reference for "ignored" is vLLM's
 own manager: the adapter's tower weights are loaded, and none of its layers is a LoRA layer and no punica wrapper
 serves the tower (``punica_wrapper_mapping`` holds the language model only).

@@ -66,7 +66,7 @@ def test_concurrent_requests(m46, pairs):
 
 def test_subclasses_keep_vllm_behaviour(m46):
     """A subclass of vLLM's 4.6 classes that no family member owns (defined here, not in vLLM's 4.6 / 4.7 modules)
-    gets vLLM's own placeholder, fix applied or not (tests/test_family.py covers every fix)."""
+    gets vLLM's own placeholder, fix applied or not (tests/registry/test_family.py covers every fix)."""
     from vllm.multimodal.parse import ImageSize
 
     from vllm_minicpm_hotfix.fixes import _mm_prompt as mp

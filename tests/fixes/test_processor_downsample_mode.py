@@ -179,7 +179,7 @@ def make_processor(checkpoint: Path, **model_kwargs):
 
     if hf_processor_version.probe(minicpmv4_6).broken:
         # vLLM 0.23.0 cannot build transformers' 4.6 processor at all (AttributeError 'version', the defect of
-        # fixes/hf_processor_version, tested in tests/test_prompt_conformance.py); without it no request reaches the
+        # fixes/hf_processor_version, tested in tests/prompt/test_prompt_conformance.py); without it no request reaches the
         # downsample_mode code this module tests. Give this one processor *instance* that fix's method (the class
         # stays vLLM's, so the stock-between-tests check and every stock verdict here are unaffected).
         info = proc.info

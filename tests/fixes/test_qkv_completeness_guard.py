@@ -1,5 +1,5 @@
 """Nothing silent on correct releases either: the q/k/v completeness guard (vllm_minicpm_hotfix/fixes/qkv_completeness_guard.py),
-and a light subset of the bad-checkpoint outcomes of tests/test_reliability.py, on every release, in this process.
+and a light subset of the bad-checkpoint outcomes of tests/loading/test_reliability.py, on every release, in this process.
 
 Each bad checkpoint is a small copy of the bundled one with one thing wrong, loaded the way a vLLM worker loads it at
 start-up (``get_model_loader(load_config).load_model``: vLLM's safetensors iterator, the model's ``load_weights``,
@@ -223,7 +223,7 @@ def test_later_loads(m46, expected, ckpt, base):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The light subset of tests/test_reliability.py's bad checkpoints, under auto, on every release
+# The light subset of tests/loading/test_reliability.py's bad checkpoints, under auto, on every release
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -272,8 +272,8 @@ GPTQ_QKV = {"qweight": 1, "scales": 1, "qzeros": 1, "bias": 0}
 
 @pytest.fixture(scope="module")
 def gptq_vitqkv(tmp_path_factory) -> dict[str, Path]:
-    """The tiny checkpoint with the language model and the vit_merger q/k/v packed GPTQ (tests/quant_checkpoints.py,
-    tests/test_quantized.py's ``gptq_vitqkv``): complete, and without ``k_proj.qweight`` (its scales and zeros kept,
+    """The tiny checkpoint with the language model and the vit_merger q/k/v packed GPTQ (tests/support/quant_checkpoints.py,
+    tests/fixes/test_quantized_vision.py's ``gptq_vitqkv``): complete, and without ``k_proj.qweight`` (its scales and zeros kept,
     so k is still a quantized shard to vLLM and to the quantized_vision fix)."""
     from support import quant_checkpoints as qc
 

@@ -120,7 +120,7 @@ def written(source, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def stock(release) -> dict:
     if release not in STOCK:
-        pytest.fail(f"vLLM {release} is not in tests/test_quantized.py STOCK: measure it and add its row")
+        pytest.fail(f"vLLM {release} is not in tests/fixes/test_quantized_vision.py STOCK: measure it and add its row")
     return STOCK[release]
 
 

@@ -8,7 +8,7 @@ data URL. The reference is independent of the fix: the frames OpenCV itself deco
 stock vLLM's answer with the operator's workaround ``--media-io-kwargs '{"video": {"video_backend": "opencv"}}'``.
 
 Stock vLLM 0.24-0.30 with transformers >= 5.19 raises ``TypeError: unhashable type: 'dict'`` there (the pinned
-``broken`` rows of tests/expected.py); with the fix the frames are the reference's. Elsewhere the stock answer is the
+``broken`` rows of tests/support/expected.py); with the fix the frames are the reference's. Elsewhere the stock answer is the
 reference already and the fix is not applied. tests/e2e/test_video_serve.py sends the same video through real
 ``vllm serve``. Cheap (no engine): every environment.
 """

@@ -15,7 +15,7 @@ Two families of replacements:
   is correct (0.22-0.24, 0.30+) the first three are real vLLM code loading wrongly without an error.
 
 The probe must say broken, broken, broken, correct for the hand-written family on every release; for the release's
-own family broken, broken, broken and the release's verdict from tests/expected.py ``VERDICTS``.
+own family broken, broken, broken and the release's verdict from tests/support/expected.py ``VERDICTS``.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ OWN = {
     "a-k-v-names-swapped": (_swap_kv, "broken"),
     "b-q-values-under-k-names": (_q_under_k, "broken"),
     "c-bias-dropped": (_no_bias, "broken"),
-    "d-untouched": (lambda items: items, None),  # None: this release's verdict in tests/expected.py
+    "d-untouched": (lambda items: items, None),  # None: this release's verdict in tests/support/expected.py
 }
 
 

@@ -4,7 +4,7 @@ README's claim "the model loads bit-exact" is checked here on the *whole* model 
 names and values -- not only on the vit_merger tensors the hotfix touches: a loader that wrote a neighbouring
 parameter, left one unloaded (uninitialised memory), or loaded a tensor twice would show. The reference is not the
 hotfix's output: tests/programs/reference_state_dict.py runs in a fresh interpreter of the vLLM 0.32.0 environment
-(a release whose own q/k/v loading is correct: tests/expected.py ``VERDICTS``) with ``VLLM_MINICPM_HOTFIX=off`` and
+(a release whose own q/k/v loading is correct: tests/support/expected.py ``VERDICTS``) with ``VLLM_MINICPM_HOTFIX=off`` and
 without the package on its path (it refuses to run otherwise), builds the model with vLLM's own API and loads it with
 vLLM's ``DefaultModelLoader.load_weights``; it is written once per test session to safetensors files.
 
@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from support.programs import run_program
 from support.vllm_build import build_vllm_model, checkpoint_tensors
 
-#: Where the hotfix patches the q/k/v loading (elsewhere this would compare stock with stock: tests/test_vllm_load.py
+#: Where the hotfix patches the q/k/v loading (elsewhere this would compare stock with stock: tests/loading/test_vllm_load.py
 #: covers those releases against the checkpoint's own tensors). Needs the 0.32.0 environment built too.
 pytestmark = pytest.mark.placed("0.26.0")
 

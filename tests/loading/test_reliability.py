@@ -12,12 +12,12 @@ Three parts, all on the real vLLM of this environment (CPU):
    applied as the hook applies it. Under ``auto`` on a release whose own q/k/v loading is correct the loader stays out
    of the way and vLLM's own loading runs, watched by the completeness guard (fixes/qkv_completeness_guard.py): a missing shard
    raises the same ``QKVLoadError``; the other cases are what stock vLLM does (docs/what-can-go-wrong.md says which
-   stay silent). tests/test_qkv_completeness_guard.py runs a light subset of these on every release.
+   stay silent). tests/fixes/test_qkv_completeness_guard.py runs a light subset of these on every release.
 2. **Hostile environments** in fresh interpreters (real start-up, real import of vLLM's model module): the hook's own
    code raising, the module imported before ``install()``, ``importlib.reload``, two threads importing at once, an
    unknown ``VLLM_MINICPM_HOTFIX``, a vLLM layout the code does not recognise.
 3. **Activation paths** (plugin / ``.pth`` / sitecustomize bundle; helpers reused from tests/e2e and
-   tests/test_activation.py): wrapt missing, vLLM missing, ``python -I/-E/-S``, ``VLLM_PLUGINS`` without ours.
+   tests/activation/test_activation.py): wrapt missing, vLLM missing, ``python -I/-E/-S``, ``VLLM_PLUGINS`` without ours.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_missing_k_proj_weight(m46, expected, bad, mode):
             ), str(exc)
         else:
             # auto on a release whose own loading is correct: vLLM loads it, and the completeness guard refuses it
-            # (stock vLLM alone is silent: the k rows keep uninitialised memory; tests/test_qkv_completeness_guard.py shows it).
+            # (stock vLLM alone is silent: the k rows keep uninitialised memory; tests/fixes/test_qkv_completeness_guard.py shows it).
             exc = start_up_fails(ckpt, QKVLoadError)
             assert str(exc) == (
                 "vit_merger q/k/v incomplete, the fused qkv_proj would be left partly uninitialised: "
@@ -479,7 +479,7 @@ def test_pip_route_without_wrapt_says_so_and_vllm_still_imports(pip_env_no_wrapt
 @ONE_RELEASE
 def test_bundle_route_without_wrapt_uses_its_copy(bundle_dir, bare_env, tmp_path):
     """bundle route, no wrapt in the image: the bundle's vendored copy is used (import vllm only, ~15 s; the full
-    model-module variant is tests/test_activation.py::test_bundle_without_wrapt_activates_with_its_own_wrapt)."""
+    model-module variant is tests/activation/test_activation.py::test_bundle_without_wrapt_activates_with_its_own_wrapt)."""
     out, _ = run_reporting("import_vllm", python=bare_env, env=clean_env(PYTHONPATH=str(bundle_dir)), cwd=tmp_path)
     assert out["status"]["hook_installed"] is True and out["activations"] == ["sitecustomize"]
     assert Path(out["wrapt"]).resolve().is_relative_to((bundle_dir / "_vllm_minicpm_hotfix_vendor").resolve())

@@ -1,5 +1,5 @@
 """The hotfix's loader under tensor parallelism: vLLM's real ``MiniCPMV4_6ViTWindowAttentionSelfAttn`` on two CPU
-ranks (gloo), built and loaded by tests/tp_rank.py in two processes, against the same module at TP=1 in this one.
+ranks (gloo), built and loaded by tests/support/tp_rank.py in two processes, against the same module at TP=1 in this one.
 
 * ``--mm-encoder-tp-mode weights`` (the default): rank r's ``qkv_proj`` holds heads [r*h/2, (r+1)*h/2) of q, then of
   k, then of v (vLLM's head-sharded ``QKVParallelLinear`` layout); ``out_proj`` (``RowParallelLinear``) its slice of

@@ -22,7 +22,7 @@ transformers' ``MiniCPMV4_7Processor`` (stock: :data:`STOCK_V47`).
   :data:`STOCK_CASES` differs (``pads``: another number of ``<|image_pad|>``/``<|video_pad|>`` -- the engine crashes
   on such a prompt; ``layout``: same pads, rows of slices differ; ``text``: same pads and rows, other text differs
   (``<image_id>``); ``equal``; or the exception raised). A release that changes behaviour fails here.
-* The probes' verdicts per release (tests/expected.py) and the sub-defects the mm_placeholders probe names
+* The probes' verdicts per release (tests/support/expected.py) and the sub-defects the mm_placeholders probe names
   (:data:`PROBE_BROKEN`), and ``status()``/``is_patched`` agreeing with them under auto, force and off.
 
 Placement: every environment (cheap: no engine; ~9 s of CPU after ``import vllm``, one vLLM processor per checkpoint
@@ -181,7 +181,7 @@ def test_stock_defects(m46, pairs, family, ckpt):
 
 
 def test_verdicts(m46, family, environment):
-    """Each fix's probe on stock vLLM, as tests/expected.py pins it; the mm_placeholders cases find this family's
+    """Each fix's probe on stock vLLM, as tests/support/expected.py pins it; the mm_placeholders cases find this family's
     sub-defects and the others equal, and its probe names the first of them it runs."""
     release = vllm_release()
     want = {name: table.verdict(name, environment) for name in MINE}

@@ -4,7 +4,7 @@
 One engine per release (tests/programs/prompt_engine_run.py in a fresh interpreter, hotfix installed as the package's
 post-import hook, ``auto``), with the real processor geometry (patch 14, ``scale_resolution`` 448), for the sizes and
 kwargs that show each family's defects (:data:`REQUESTS`). Stock vLLM is shown failing these same items by
-tests/test_prompt_conformance.py (its processor, no engine): the pad counts that differ there are what kills the
+tests/prompt/test_prompt_conformance.py (its processor, no engine): the pad counts that differ there are what kills the
 engine (``_merge_multimodal_embeddings``), as serving-defects.md recorded on 0.22.1 and 0.32.0.
 
 Engines cost 60-80 s each on the CI machine: this module runs only on :data:`ENGINE_RELEASES` (one per family,

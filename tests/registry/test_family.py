@@ -181,7 +181,7 @@ def test_undeclared_subclass_behaves_as_stock(m46):
 
 def test_member_verdicts_are_pinned(m46, environment, monkeypatch):
     """Under ``auto`` the hook probes every family member present here on its own classes: ``status()`` records per
-    member the stock verdict tests/expected.py pins (4.7 only where vLLM and transformers have it), applies each fix
+    member the stock verdict tests/support/expected.py pins (4.7 only where vLLM and transformers have it), applies each fix
     exactly for the declared members whose verdict is broken, and the patched member's re-probe answers correct."""
     from support import expected as table
 
@@ -392,7 +392,7 @@ def _member_import(*modules: str) -> tuple[dict, str]:
 def test_each_member_is_probed_on_its_own_classes_whatever_the_import_order(environment, order):
     """Serving 4.7, vLLM imports ``minicpmv4_7``, which imports ``minicpmv4_6`` first: the hook then runs before
     4.7's classes exist. It waits for that import to end and probes 4.7 on 4.7's own classes, with the verdicts
-    tests/expected.py pins for them, and the fixes act for 4.7 exactly where its verdict is broken; one summary line
+    tests/support/expected.py pins for them, and the fixes act for 4.7 exactly where its verdict is broken; one summary line
     names both members. Serving 4.6, ``minicpmv4_7`` is never imported and nothing of 4.7 is probed. Imported
     later (4.6 first), the hook runs again for both members on stock classes, and says so in one more WARNING line.
     Placed on 0.33.0 (one fresh vLLM import each; 0.32.0 has the same modules, and its session is a long one)."""

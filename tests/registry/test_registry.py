@@ -1,5 +1,5 @@
 """The registry of fixes against the installed vLLM: every fix has the interface, every fix's verdict on stock vLLM is
-the one tests/expected.py pins for this environment, and the post-import hook runs exactly the registry."""
+the one tests/support/expected.py pins for this environment, and the post-import hook runs exactly the registry."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_one_name_per_fix():
 
 @pytest.mark.parametrize("name", names())
 def test_stock_verdict_is_pinned(m46, environment, name):
-    """The probe on stock vLLM gives the verdict tests/expected.py pins here (a fix or an environment missing from the
+    """The probe on stock vLLM gives the verdict tests/support/expected.py pins here (a fix or an environment missing from the
     table fails)."""
     try:
         want = table.verdict(name, environment)

@@ -2,7 +2,7 @@
 release facts ``doctor`` quotes (``vllm_minicpm_hotfix/data/releases.json``, derived from the recorded run).
 
 Placed on 0.22.1 (one of the short sessions): nothing here depends on the vLLM release, and the real ``doctor`` on
-every environment is asserted by tests/test_cli.py. The built wheel's metadata, ``--version`` and ``doctor`` over a
+every environment is asserted by tests/cli/test_cli.py. The built wheel's metadata, ``--version`` and ``doctor`` over a
 vLLM environment are checked by ``scripts/check-dist`` (``.ci/run``), not here.
 """
 

@@ -176,7 +176,7 @@ def load_like_vllm(ckpt: Path):
 @pytest.fixture(scope="module")
 def reference(m46, tiny) -> dict[str, torch.Tensor]:
     """Every parameter of the model loaded from the pristine tiny checkpoint (hotfix forced; bit-exact per
-    tests/test_vllm_load.py)."""
+    tests/loading/test_vllm_load.py)."""
     with hotfix(m46, "force"):
         model = load_like_vllm(tiny)
     return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -55,7 +55,7 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
     },
     "mm_placeholders": {
         # Every release ignores slice_mode: false, a request's scale_resolution and use_image_id: false; 0.22-0.24 lay
-        # the slices out wrongly as well (tests/test_prompt_conformance.py pins which sub-defect where).
+        # the slices out wrongly as well (tests/prompt/test_prompt_conformance.py pins which sub-defect where).
         **{env: "broken" for env in ENVIRONMENTS},
     },
     "video_image_id_cache": {
@@ -140,7 +140,7 @@ MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
 def member_verdicts(member: str, env: tuple[str, str]) -> dict[str, str] | None:
     """The pinned stock verdicts of every fix on ``member``'s classes in ``env`` (None: the member is absent there)."""
     if env not in ENVIRONMENTS:
-        raise UnknownEnvironment(f"vLLM {env[0]} with transformers {env[1]} is not an environment of tests/expected.py")
+        raise UnknownEnvironment(f"vLLM {env[0]} with transformers {env[1]} is not an environment of tests/support/expected.py")
     return MEMBER_VERDICTS[member].get(env)
 
 
@@ -173,16 +173,16 @@ def verdict(fix: str, env: tuple[str, str]) -> str:
     """The pinned stock verdict of ``fix`` in ``env``. Raises :class:`UnknownEnvironment` naming what to measure."""
     if env not in ENVIRONMENTS:
         raise UnknownEnvironment(
-            f"vLLM {env[0]} with transformers {env[1]} is not an environment of tests/expected.py: measure it and add "
+            f"vLLM {env[0]} with transformers {env[1]} is not an environment of tests/support/expected.py: measure it and add "
             f"it to ENVIRONMENTS and to every fix's block of VERDICTS"
         )
     block = VERDICTS.get(fix)
     if block is None or env not in block:
-        raise UnknownEnvironment(f"tests/expected.py VERDICTS has no verdict of fix {fix!r} for {env}: measure it")
+        raise UnknownEnvironment(f"tests/support/expected.py VERDICTS has no verdict of fix {fix!r} for {env}: measure it")
     return block[env]
 
 
 def stock_load_error(release: str) -> str | None:
     if release not in STOCK_LOAD_ERROR:
-        raise UnknownEnvironment(f"vLLM {release} is not in tests/expected.py STOCK_LOAD_ERROR: measure it and add it")
+        raise UnknownEnvironment(f"vLLM {release} is not in tests/support/expected.py STOCK_LOAD_ERROR: measure it and add it")
     return STOCK_LOAD_ERROR[release]

@@ -153,7 +153,7 @@ FIXED_CASES: list[Case] = [
 ]
 
 #: Model-level ``--mm-processor-kwargs`` a server must refuse at start-up, all three in one error (tests/e2e/
-#: test_model_kwargs_serve.py, tests/test_request_kwargs.py): key -> (value, what the error must say is allowed).
+#: test_model_kwargs_serve.py, tests/fixes/test_request_kwargs.py): key -> (value, what the error must say is allowed).
 #: Without the check vLLM fails on them only inside its token counting, naming none of them.
 MODEL_LEVEL_BAD: dict[str, tuple[Any, str]] = {
     "max_slice_nums": (-1, "an integer of at least 1"),  # degenerate (transformers: math domain error)

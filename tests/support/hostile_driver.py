@@ -3,7 +3,7 @@ running ``vllm serve`` on 127.0.0.1, checks the server is alive after each, and 
 memory throughout.
 
 Bounded: every request has a timeout (:data:`REQUEST_TIMEOUT_S`), the run stops at :data:`RUN_BUDGET_S` or at the
-first engine death when asked to. Requests go through ``urllib`` (tests/e2e/server.py's ``post``), one server at a
+first engine death when asked to. Requests go through ``urllib`` (tests/support/server.py's ``post``), one server at a
 time, never anything but 127.0.0.1.
 """
 

@@ -1,6 +1,6 @@
 """Write a LoRA adapter for a tiny MiniCPM-V checkpoint with peft, and the independent greedy reference: transformers'
 own model with the adapter applied by peft. Run in a fresh interpreter with peft on ``PYTHONPATH``
-(tests/e2e/peft_site.py); prints one JSON object on its last line.
+(tests/support/peft_site.py); prints one JSON object on its last line.
 
 ``python lora_adapter.py CHECKPOINT OUT PROMPT MAX_TOKENS``
 

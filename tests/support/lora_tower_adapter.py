@@ -1,5 +1,5 @@
 """Write a LoRA adapter of a tiny MiniCPM-V checkpoint's vision tower with peft. Run in a fresh interpreter with peft
-on ``PYTHONPATH`` (tests/e2e/peft_site.py); prints one JSON object on its last line.
+on ``PYTHONPATH`` (tests/support/peft_site.py); prints one JSON object on its last line.
 
 ``python lora_tower_adapter.py CHECKPOINT OUT``
 

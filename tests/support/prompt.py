@@ -330,7 +330,7 @@ def assert_all_equal(pair: Pair, cases: list[tuple[str, str, list, dict]]) -> No
 def family() -> str:
     release = vllm_release()
     if release not in FAMILY:
-        pytest.fail(f"vLLM {release} is not in tests/test_prompt_conformance.py FAMILY: measure it and add it")
+        pytest.fail(f"vLLM {release} is not in tests/support/prompt.py FAMILY: measure it and add it")
     return FAMILY[release]
 
 

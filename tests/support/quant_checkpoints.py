@@ -36,8 +36,6 @@ BITS = 4
 PACK = 32 // BITS  # 8 codes per int32
 GROUP = 32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
-AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
 
 #: The language-model linear layers GPTQModel's MiniCPM-V 4.6 definition quantizes (``module_tree`` of
 #: ``gptqmodel/models/definitions/minicpmv_4_6.py``: ``in_proj_b`` / ``in_proj_a`` are marked ``:!``, not quantized).

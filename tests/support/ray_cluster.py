@@ -2,7 +2,7 @@
 
 Ray is a test dependency only. Its CPU wheel (and msgpack, the one requirement the vLLM test environments lack) is
 installed once with ``uv pip install --no-deps --target`` into ``~/.cache/vllm-minicpm-hotfix/ray/`` -- never into
-the shared test environment -- and linked into throwaway overlay venvs (tests/e2e/__init__.py ``overlay_env``) next to
+the shared test environment -- and linked into throwaway overlay venvs (tests/support/venvs.py ``overlay_env``) next to
 the shared environment's packages.
 
 * ``ray start --head --node-ip-address 127.0.0.2`` and ``ray start --address 127.0.0.2:PORT --node-ip-address

@@ -1,6 +1,6 @@
-"""One rank of the tensor-parallel test (tests/test_tensor_parallel.py); run as a script, one process per rank.
+"""One rank of the tensor-parallel test (tests/loading/test_tensor_parallel.py); run as a script, one process per rank.
 
-    python tests/tp_rank.py RANK WORLD_SIZE PORT CHECKPOINT_DIR OUT_FILE
+    python tests/support/tp_rank.py RANK WORLD_SIZE PORT CHECKPOINT_DIR OUT_FILE
 
 Initialises vLLM's distributed state on CPU (gloo), builds vLLM's real ``MiniCPMV4_6ViTWindowAttentionSelfAttn``
 twice -- once with the default ``mm_encoder_tp_mode="weights"`` (head-sharded ``QKVParallelLinear`` /

@@ -1,4 +1,4 @@
-"""Real environments for the activation tests (tests/test_activation.py) and the serve tests (tests/e2e/).
+"""Real environments for the activation tests (tests/activation/test_activation.py) and the serve tests (tests/e2e/).
 
 The tests run inside one shared CPU environment built by ``scripts/cpu-env RELEASE`` (5-6 GB, reused by every test
 and every colleague), which must never get this package installed. Each test that needs "the package pip-installed"
@@ -20,7 +20,6 @@ Everything the helpers start is bounded by a timeout.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -135,16 +134,3 @@ def clean_env(**extra: str) -> dict[str, str]:
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # tests/conftest.py sets it too; scripts/gpu-smoke.sh sets cuda
     env.update(extra)
     return env
-
-
-def run_python(python: str | os.PathLike, code: str, *, env: dict[str, str], cwd: str | os.PathLike,
-               timeout: float = 300) -> tuple[dict, str]:
-    """Run ``code`` in a fresh ``python`` (real start-up: .pth files, sitecustomize); return the JSON object it
-    prints last and everything it wrote (vLLM logs to stdout, Python's last-resort handler to stderr)."""
-    proc = subprocess.run(
-        [str(python), "-c", code], env=env, cwd=cwd, capture_output=True, check=False, text=True, timeout=timeout
-    )
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}:\n{log[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]), log

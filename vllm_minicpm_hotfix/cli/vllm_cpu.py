@@ -12,7 +12,7 @@ in every vLLM release 0.26.0-0.33.0.
 Importing this module does not import vLLM (``import vllm`` takes ~30 s); the functions do.  Set
 ``VLLM_TARGET_DEVICE=cpu`` before calling them (done here with ``setdefault`` if unset).
 
-The file imports nothing of the package: tests/ray_driver.py runs its source in Ray actors of nodes that have no
+The file imports nothing of the package: tests/support/ray_driver.py runs its source in Ray actors of nodes that have no
 hotfix installed, so it lists and reads the checkpoint's files itself.
 """
 
