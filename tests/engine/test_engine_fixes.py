@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 from vllm_minicpm_hotfix import hook, record
 from vllm_minicpm_hotfix.fixes import _base, encoder_modes
-from support.engine import OURS, KILL_REQUESTS, family, image, fixes, process, pads_in_prompt, mconfig, vproc, stock_verdict  # noqa: F401 - fixtures
+from support.engine import (  # noqa: F401 - fixtures
+    OURS, KILL_REQUESTS, family, image, fixes, process, pads_in_prompt, mconfig, vproc, stock_verdict,
+)
 
 # --------------------------------------------------------------------------------------------------------------------
 # Modes, status, transactions

@@ -1,11 +1,16 @@
-"""``encoder_modes`` against the real vLLM of this environment, without an engine: a 16x and a 4x image in one encoder batch, and a 4x video, batched as vLLM's model runner batches them (``group_and_batch_mm_kwargs``), against each item encoded on its own (:mod:`support.engine`)."""
+"""``encoder_modes`` against the real vLLM of this environment, without an engine: a 16x and a 4x image in one encoder
+batch, and a 4x video, batched as vLLM's model runner batches them (``group_and_batch_mm_kwargs``), against each item
+encoded on its own (:mod:`support.engine`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from vllm_minicpm_hotfix.fixes import encoder_modes, placeholder_guard
-from support.engine import image, video, fixes, process, pads_in_prompt, embed, items_of, merge, mconfig, vproc, vmodel, stock_verdict  # noqa: F401 - fixtures
+from support.engine import (  # noqa: F401 - fixtures
+    vision_reference, image, video, fixes, process, pads_in_prompt, embed, items_of, merge, mconfig, vproc, vmodel,
+    stock_verdict,
+)
 
 
 @pytest.mark.parametrize("shape", [(3, 56, 56), (3, 28, 84), (1, 14, 14), (3, 70, 42)])
@@ -42,17 +47,6 @@ def test_mixed_mode_batch(m46, vproc, vmodel, environment):
             got = embed(vmodel, items_of(order[0]) + items_of(order[1]))
             want = solo if order[0] is a else solo[::-1]
             assert all(torch.equal(g, w) for g, w in zip(got, want))
-
-
-def vision_reference(model, data: dict, mode: str, prefix: str = "video_") -> torch.Tensor:
-    """The model's own vision tower on one processed item's slices in ``mode`` (``get_vision_hidden_states``, the
-    tower, vit_merger and merger vLLM's ``embed_multimodal`` runs), concatenated: ``(tokens, hidden)``."""
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(model.vllm_config), torch.no_grad():
-        return torch.cat(model.get_vision_hidden_states(
-            {"pixel_values": list(data[f"{prefix}pixel_values"]), "tgt_sizes": data[f"{prefix}tgt_sizes"]},
-            downsample_mode=mode))
 
 
 def test_mixed_mode_video_batch(m46, vproc, vmodel, environment):

@@ -1,10 +1,14 @@
-"""``hf_processor_version`` on the installed vLLM's own multimodal processor (no engine): on 0.23.0 stock vLLM's processor raises the ``version`` AttributeError on any image; with the fix the prompt equals the one transformers' processor builds."""
+"""``hf_processor_version`` on the installed vLLM's own multimodal processor (no engine): on 0.23.0 stock vLLM's
+processor raises the ``version`` AttributeError on any image; with the fix the prompt equals the one transformers'
+processor builds."""
 
 from __future__ import annotations
 
 from support.hotfix import hotfix
 from support.placement import vllm_release
-from support.prompt import checkpoints, image, compare, family, pairs, _one_torch_thread, _report_times, with_hotfix  # noqa: F401 - fixtures
+from support.prompt import (  # noqa: F401 - fixtures
+    checkpoints, image, compare, family, pairs, _one_torch_thread, _report_times, with_hotfix,
+)
 
 
 def test_stock_version_crash(m46, pairs, family):

@@ -1,9 +1,14 @@
-"""``mm_placeholders`` on the installed vLLM's own multimodal processor (no engine): requests processed at once in several threads each get their own request's prompt, and a subclass of vLLM's classes that no family member owns keeps vLLM's own placeholder. The prompt equal to transformers' for every size, kwarg and item (with every fix) is tests/prompt/test_prompt_conformance.py."""
+"""``mm_placeholders`` on the installed vLLM's own multimodal processor (no engine): requests processed at once in
+several threads each get their own request's prompt, and a subclass of vLLM's classes that no family member owns
+keeps vLLM's own placeholder. The prompt equal to transformers' for every size, kwarg and item (with every fix) is
+tests/prompt/test_prompt_conformance.py."""
 
 from __future__ import annotations
 
 from support.hotfix import hotfix
-from support.prompt import checkpoints, image, video, vllm_ids, hf_ids, pairs, _one_torch_thread, _report_times, timed, with_hotfix  # noqa: F401 - fixtures
+from support.prompt import (  # noqa: F401 - fixtures
+    checkpoints, image, video, vllm_ids, hf_ids, pairs, _one_torch_thread, _report_times, timed, with_hotfix,
+)
 
 
 def test_concurrent_requests(m46, pairs):

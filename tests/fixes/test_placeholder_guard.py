@@ -1,4 +1,10 @@
-"""``placeholder_guard`` against the real vLLM of this environment, without an engine: requests whose placeholder count disagrees with their tensors (per release, from the notes and measured: ``{"max_slice_nums": 1}`` on 0.22-0.31, ``{"slice_mode": false}`` everywhere) -- the real merge (``_merge_multimodal_embeddings``) raises the error that kills EngineCore; with the guard vLLM's processor raises one ``ValueError`` naming the item and both counts, on the uncached and the cached path (where a refused item must not be recorded as sent to the engine); requests whose counts agree come out bit-identical. The references: the pads counted in the prompt vLLM built and the rows vLLM's real vision tower returns for each item (:mod:`support.engine`)."""
+"""``placeholder_guard`` against the real vLLM of this environment, without an engine: requests whose placeholder count
+disagrees with their tensors (per release, from the notes and measured: ``{"max_slice_nums": 1}`` on 0.22-0.31,
+``{"slice_mode": false}`` everywhere) -- the real merge (``_merge_multimodal_embeddings``) raises the error that
+kills EngineCore; with the guard vLLM's processor raises one ``ValueError`` naming the item and both counts, on the
+uncached and the cached path (where a refused item must not be recorded as sent to the engine); requests whose counts
+agree come out bit-identical. The references: the pads counted in the prompt vLLM built and the rows vLLM's real
+vision tower returns for each item (:mod:`support.engine`)."""
 
 from __future__ import annotations
 
@@ -6,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 from vllm_minicpm_hotfix.fixes import placeholder_guard
-from support.engine import KILL_REQUESTS, image, video, fixes, process, pads_in_prompt, embed, items_of, merge, sender_cache, mconfig, vproc, vmodel, fam, stock_verdict
+from support.engine import (
+    KILL_REQUESTS, image, video, fixes, process, pads_in_prompt, embed, items_of, merge, sender_cache, mconfig, vproc,
+    vmodel, fam, stock_verdict,
+)
 
 
 #: Seeded sizes (not hand-picked) for the count formula.

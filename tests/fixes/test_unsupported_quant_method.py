@@ -1,4 +1,6 @@
-"""``unsupported_quant_method`` on the installed vLLM, module level: a checkpoint whose ``quant_method`` this vLLM lacks (bitsandbytes NF4, written from the bundled tiny checkpoint by :mod:`support.quant_checkpoints`, or any unknown method) gets one error naming what loads; where vLLM still has bitsandbytes (<= 0.26) its own outcome stands."""
+"""``unsupported_quant_method`` on the installed vLLM, module level: a checkpoint whose ``quant_method`` this vLLM lacks
+(bitsandbytes NF4, written from the bundled tiny checkpoint by :mod:`support.quant_checkpoints`, or any unknown
+method) gets one error naming what loads; where vLLM still has bitsandbytes (<= 0.26) its own outcome stands."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""``video_budget`` against the real vLLM of this environment, without an engine: the frames budgeted per video against the frames vLLM's loader samples, and a 32-frame video's embeddings against the encoder budget vLLM computes from it (vLLM's own processor and model for the bundled tiny checkpoint: :mod:`support.engine`)."""
+"""``video_budget`` against the real vLLM of this environment, without an engine: the frames budgeted per video against
+the frames vLLM's loader samples, and a 32-frame video's embeddings against the encoder budget vLLM computes from it
+(vLLM's own processor and model for the bundled tiny checkpoint: :mod:`support.engine`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""``video_tower`` against the real vLLM of this environment, without an engine: the model built with ``limit_mm_per_prompt={"image": 0, "video": 1}`` has its vision tower and encodes a video as vLLM's processor sends it (:mod:`support.engine`)."""
+"""``video_tower`` against the real vLLM of this environment, without an engine: the model built with
+``limit_mm_per_prompt={"image": 0, "video": 1}`` has its vision tower and encodes a video as vLLM's processor sends
+it (:mod:`support.engine`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import torch
 from support.hotfix import hotfix
 from support.paths import TINY
 from vllm_minicpm_hotfix.fixes import placeholder_guard
-from support.engine import video, fixes, process, embed, items_of, mconfig, vproc, build_model, vmodel  # noqa: F401 - fixtures
+from support.engine import (  # noqa: F401 - fixtures
+    vision_reference, video, fixes, process, embed, items_of, mconfig, vproc, build_model, vmodel,
+)
 
 
 def test_video_only_model_has_its_vision_tower(m46, vproc, vmodel):

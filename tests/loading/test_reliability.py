@@ -37,7 +37,9 @@ from support.programs import PROGRAMS, run_reporting
 from support.vllm_build import build_vllm_model, checkpoint_tensors, iter_checkpoint, make_vllm_config
 
 from vllm_minicpm_hotfix.fixes.qkv_loader import QKVLoadError
-from support.bad_checkpoints import P, QKV, base, CHECKPOINTS, bad, start_up_fails, load_like_vllm, reference, assert_model_equals, hotfix_active
+from support.bad_checkpoints import (
+    P, QKV, base, CHECKPOINTS, bad, start_up_fails, load_like_vllm, reference, assert_model_equals, hotfix_active,
+)
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
 #: The fresh interpreters of parts 2 and 3 that exercise the hook's own machinery (its code raising, reload, threads,

@@ -43,7 +43,11 @@ from support import expected as table
 from support.hotfix import hotfix
 from support.placement import vllm_release
 from vllm_minicpm_hotfix.fixes import _base, by_name
-from support.prompt import _cached_prompts, checkpoints, MINE, PROBE_BROKEN, PROBE_BROKEN_EXTRA, STOCK_CASES, STOCK, STOCK_V47, STOCK_EXTRA, REAL47, REQUEST_KWARGS, MODEL_KWARGS, seeded_sizes, image, video, sizes_for, classify, summary, compare, assert_all_equal, family, pairs, _one_torch_thread, _report_times, timed, with_hotfix, stock  # noqa: F401 - fixtures
+from support.prompt import (  # noqa: F401 - fixtures
+    checkpoints, MINE, PROBE_BROKEN, PROBE_BROKEN_EXTRA, STOCK_CASES, STOCK, STOCK_V47, STOCK_EXTRA,
+    REAL47, REQUEST_KWARGS, MODEL_KWARGS, seeded_sizes, image, video, sizes_for, classify, summary, compare,
+    assert_all_equal, family, pairs, _one_torch_thread, _report_times, timed, with_hotfix, stock,
+)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -130,6 +134,24 @@ def test_several_items_and_numpy(m46, pairs, ckpt):
     with timed("several-items"), with_hotfix(m46):
         assert_all_equal(pair, cases)
 
+
+def _cached_prompts(pair: Pair) -> tuple[list[int], list[int]]:
+    """Prompt 1 with video A, then prompt 2 with [B, A] through the same processor cache: vLLM's ids for prompt 2,
+    transformers' ids for prompt 2."""
+    a, b = video(56, 56, 1), video(84, 56, 1)
+    vllm_ids(pair, "video", [a], {})
+    return vllm_ids(pair, "video", [b, a], {}), hf_ids(pair, "video", [b, a], {})
+
+
+def test_cached_items(m46, pairs):
+    """Items served from vLLM's processor cache get their index in the new prompt (images and videos)."""
+    pair = pairs("real", cache=True)
+    with timed("cache"), with_hotfix(m46):
+        got, want = _cached_prompts(pair)
+        assert got == want, (summary(pair.tokenizer, got), summary(pair.tokenizer, want))
+        c, d = image(365, 211), image(449, 449)
+        vllm_ids(pair, "image", [c], {})
+        assert vllm_ids(pair, "image", [d, c], {}) == hf_ids(pair, "image", [d, c], {})
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Fresh interpreters of an activation route: what one looks like after start-up, and after importing vLLM's model module."""
+"""Fresh interpreters of an activation route: what one looks like after start-up, and after importing vLLM's model
+module."""
 
 from __future__ import annotations
 

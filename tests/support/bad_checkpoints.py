@@ -1,4 +1,5 @@
-"""Bad checkpoints (written from the bundled tiny one) and vLLM's two ways of loading them: at engine start-up and as its model loader does."""
+"""Bad checkpoints (written from the bundled tiny one) and vLLM's two ways of loading them: at engine start-up and as
+its model loader does."""
 
 from __future__ import annotations
 

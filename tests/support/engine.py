@@ -1,4 +1,5 @@
-"""The engine side's shared parts without an engine: vLLM's real processor and the tiny model built on CPU, one request processed, its pads, the vision tower's embeddings and the merge, and the fixtures of the engine-fix tests."""
+"""The engine side's shared parts without an engine: vLLM's real processor and the tiny model built on CPU, one request
+processed, its pads, the vision tower's embeddings and the merge, and the fixtures of the engine-fix tests."""
 
 from __future__ import annotations
 
@@ -189,3 +190,12 @@ def stock_verdict(name: str, environment) -> str:
         pytest.fail(str(exc))
 
 
+def vision_reference(model, data: dict, mode: str, prefix: str = "video_") -> torch.Tensor:
+    """The model's own vision tower on one processed item's slices in ``mode`` (``get_vision_hidden_states``, the
+    tower, vit_merger and merger vLLM's ``embed_multimodal`` runs), concatenated: ``(tokens, hidden)``."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(model.vllm_config), torch.no_grad():
+        return torch.cat(model.get_vision_hidden_states(
+            {"pixel_values": list(data[f"{prefix}pixel_values"]), "tgt_sizes": data[f"{prefix}tgt_sizes"]},
+            downsample_mode=mode))

@@ -1,4 +1,6 @@
-"""The prompt side's shared parts: transformers' and vLLM's processors for one checkpoint (:class:`Pair`), the token ids each builds, seeded items, the checkpoints (tiny, real geometry, MiniCPM-V 4.7), the stock tables per release family and the fixtures of the prompt tests."""
+"""The prompt side's shared parts: transformers' and vLLM's processors for one checkpoint (:class:`Pair`), the token ids
+each builds, seeded items, the checkpoints (tiny, real geometry, MiniCPM-V 4.7), the stock tables per release family
+and the fixtures of the prompt tests."""
 
 from __future__ import annotations
 
@@ -431,12 +433,3 @@ def with_hotfix(m46):
 def stock(m46):
     with hotfix(m46, "auto", fixes=PREREQUISITES) as statuses:
         yield statuses
-
-
-def _cached_prompts(pair: Pair) -> tuple[list[int], list[int]]:
-    """Prompt 1 with video A, then prompt 2 with [B, A] through the same processor cache: vLLM's ids for prompt 2,
-    transformers' ids for prompt 2."""
-    a, b = video(56, 56, 1), video(84, 56, 1)
-    vllm_ids(pair, "video", [a], {})
-    return vllm_ids(pair, "video", [b, a], {}), hf_ids(pair, "video", [b, a], {})
-

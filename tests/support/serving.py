@@ -1,4 +1,5 @@
-"""The tiny checkpoint served by ``vllm serve``: the shared arguments and the request that kills stock vLLM's engine here."""
+"""The tiny checkpoint served by ``vllm serve``: the shared arguments and the request that kills stock vLLM's engine
+here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A short video written with OpenCV, its decoded frames and its data URL, and the workaround the notes give for stock vLLM."""
+"""A short video written with OpenCV, its decoded frames and its data URL, and the workaround the notes give for stock
+vLLM."""
 
 from __future__ import annotations
 
