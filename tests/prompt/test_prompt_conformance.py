@@ -44,7 +44,7 @@ from support.hotfix import hotfix
 from support.placement import vllm_release
 from vllm_minicpm_hotfix.fixes import _base, by_name
 from support.prompt import (  # noqa: F401 - fixtures
-    checkpoints, MINE, PROBE_BROKEN, PROBE_BROKEN_EXTRA, STOCK_CASES, STOCK, STOCK_V47, STOCK_EXTRA,
+    Pair, vllm_ids, hf_ids, checkpoints, MINE, PROBE_BROKEN, PROBE_BROKEN_EXTRA, STOCK_CASES, STOCK, STOCK_V47, STOCK_EXTRA,
     REAL47, REQUEST_KWARGS, MODEL_KWARGS, seeded_sizes, image, video, sizes_for, classify, summary, compare,
     assert_all_equal, family, pairs, _one_torch_thread, _report_times, timed, with_hotfix, stock,
 )
