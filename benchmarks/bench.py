@@ -28,7 +28,7 @@ alternating, as medians with their ratio B/A and a 95% bootstrap interval.
    at concurrency 4 (benchmarks/serve_bench.py): wall per request (1 / throughput), time to first token, server CPU.
 
 The environments with the package are throwaway overlays of the shared vLLM environment, made with the test suite's
-helpers (tests/e2e/__init__.py): the wheel built from this tree and installed with ``uv pip install --no-deps``, and a
+helpers (tests/support/venvs.py): the wheel built from this tree and installed with ``uv pip install --no-deps``, and a
 bundle written by ``vllm-minicpm-hotfix bundle``. Nothing is installed into the shared environments.
 """
 
@@ -72,7 +72,7 @@ def child_env(**extra: str) -> dict[str, str]:
     """The environment of every measured child: nothing that activates or configures the hotfix, no PYTHONPATH,
     ``PYTHONDONTWRITEBYTECODE=1`` (no child writes ``.pyc`` files into the shared environment; the package's own are
     compiled once beforehand, as ``pip install`` does), ``VLLM_TARGET_DEVICE=cpu``."""
-    from e2e import clean_env
+    from support.venvs import clean_env
 
     env = clean_env(PYTHONDONTWRITEBYTECODE="1", VLLM_TARGET_DEVICE="cpu")
     for k in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONPROFILEIMPORTTIME", "PYTHONINSPECT"):
@@ -89,7 +89,7 @@ def compileall(path: Path) -> None:
 def make_envs(work: Path) -> dict[str, Path]:
     """base: an overlay of this environment without the package; pip: the same with the wheel installed (and its
     .pyc compiled, as pip does by default -- uv does not); bundle: a bundle with .pyc; bundle_nopyc: one without."""
-    from e2e import build_wheel, make_bundle, overlay_env, pip_install, site_packages
+    from support.venvs import build_wheel, make_bundle, overlay_env, pip_install, site_packages
 
     t0 = time.perf_counter()
     wheel = build_wheel(work / "wheel")
@@ -368,7 +368,7 @@ def bench_load(py_load: str, ckpt: Path, pairs: int, warmup: int, inproc_loads: 
 
 def hook_overlay(python: str, work: Path, release: str) -> str:
     """An overlay of ``python``'s environment with the wheel installed and compiled (as ``pip install`` leaves it)."""
-    from e2e import overlay_env, pip_install, site_packages
+    from support.venvs import overlay_env, pip_install, site_packages
 
     wheel = _wheel(work)
     env = overlay_env(work / f"hook-{release}", wrapt=True, over=python)
@@ -382,7 +382,7 @@ _WHEEL: list[Path] = []
 
 
 def _wheel(work: Path) -> Path:
-    from e2e import build_wheel
+    from support.venvs import build_wheel
 
     if not _WHEEL:
         _WHEEL.append(build_wheel(work / "wheel-hook"))

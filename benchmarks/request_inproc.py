@@ -34,7 +34,7 @@ from pathlib import Path
 SIZES = ((448, 448), (1024, 768), (1920, 1080), (4032, 3024))
 VIDEO = (4, 640, 480)  # frames, width, height
 KWARG_SIZE = (1024, 768)
-#: One request per per-request kwarg the model's processor takes (values as tests/test_prompt_conformance.py uses).
+#: One request per per-request kwarg the model's processor takes (values as tests/prompt/test_prompt_conformance.py uses).
 REQUEST_KWARGS = (
     ("max_slice_nums", 4),
     ("slice_mode", False),

@@ -4,7 +4,7 @@ hotfix pip-installed (B), on the same default-kwarg image requests. Prints one J
     python serve_bench.py OUT_DIR ROUNDS BATCHES REQUESTS [CONCURRENCY]
 
 Run with the vLLM 0.32.0 environment's interpreter (where stock vLLM serves default requests). Two throwaway
-overlays of that environment (tests/e2e/__init__.py): A without the package, B with the wheel built from this tree
+overlays of that environment (tests/support/venvs.py): A without the package, B with the wheel built from this tree
 (its ``.pth`` arms the hotfix in the API server, EngineCore and worker). The checkpoint is the bundled tiny one with
 the real processor geometry (benchmarks/request_inproc.py), served as tests/e2e/test_engine_serve.py serves it
 (``--max-num-seqs`` = CONCURRENCY). One server at a time: ``ROUNDS`` rounds, the order alternating (AB, BA, ...);
@@ -39,8 +39,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "tests")]
 
-from e2e import build_wheel, clean_env, overlay_env, pip_install  # noqa: E402
-from e2e.server import HEALTHY_WITHIN_S, Server, png_data_url  # noqa: E402
+from support.venvs import build_wheel, clean_env, overlay_env, pip_install  # noqa: E402
+from support.server import HEALTHY_WITHIN_S, Server, png_data_url  # noqa: E402
 from request_inproc import real_geometry  # noqa: E402
 
 IMAGE = (1024, 768)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the package's release facts, ``vllm_minicpm_hotfix/data/releases.json``, from the recorded run
 ``docs/results/test-run.json`` (``scripts/test --record``), so that ``doctor`` quotes measurements, not a list typed
-by hand. Run it after every recorded run; tests/test_release.py fails while the two differ.
+by hand. Run it after every recorded run; tests/release/test_release.py fails while the two differ.
 
     python3 scripts/release_facts.py          # write the file
     python3 scripts/release_facts.py --check  # exit 1 if the packaged file differs from what the run gives

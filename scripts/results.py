@@ -172,7 +172,8 @@ def render_run(data: dict) -> str:
     return head + "\n\n" + "\n".join(rows)
 
 
-#: The quantized layouts tests/test_quantized.py writes and records (conftest ``observed``), in README's words.
+#: The quantized layouts tests/fixes/test_quantized_vision.py and (bnb) test_unsupported_quant_method.py write and
+#: record (``support.observed``), in README's words.
 CHECKPOINTS = {
     "gptq": "GPTQ 4-bit language model, vision bf16",
     "gptq_list": "GPTQ with a module list in the config",
@@ -229,7 +230,8 @@ def render_verdicts(data: dict) -> str:
                  + " | ".join(pythons(r) for r in envs) + " |")
     seen = [key for key in CHECKPOINTS if any(key in (r.get("observed") or {}).get("checkpoints", {}) for r in envs)]
     if seen:
-        lines.append("| **quantized checkpoints** (tests/test_quantized.py): stock vLLM &rarr; with the hotfix |"
+        lines.append("| **quantized checkpoints** (tests/fixes/test_quantized_vision.py, test_unsupported_quant_method.py): stock vLLM "
+                     "&rarr; with the hotfix |"
                      + " |" * len(envs))
         for key in seen:
             cells = []
@@ -240,7 +242,7 @@ def render_verdicts(data: dict) -> str:
     return "\n".join(lines) + (
         f"\n\n**fixed**: stock vLLM is broken there and the hotfix (auto) applies the fix; ok: correct upstream, left "
         f"alone. Each cell is the fix's own probe on that environment's stock vLLM, recorded by `scripts/test --record` "
-        f"at commit `{data['commit']}`, {data['date']}, and asserted against `tests/expected.py` by that run. The "
+        f"at commit `{data['commit']}`, {data['date']}, and asserted against `tests/support/expected.py` by that run. The "
         f"checkpoint rows are what the tests observed and asserted there; `-` where they do not run.")
 
 

@@ -1,13 +1,12 @@
 """Shared fixtures. Every test here runs inside one CPU environment built by ``scripts/cpu-env RELEASE`` (real vLLM,
 real torch, real transformers); ``scripts/test`` runs the suite once per release and names each one.
 
-What each environment is expected to do is written down once, in ``tests/expected.py``: tests assert it against the
+What each environment is expected to do is written down once, in ``tests/support/expected.py``: tests assert it against the
 vLLM that is actually installed, and fail (never skip) on an environment the table does not know.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import subprocess
@@ -21,21 +20,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-# hotfix_mode: a fixture for every module; hotfix_mode_set: the same for a block (hotfix() below)
-from support.environment import hotfix_mode, hotfix_mode_set  # noqa: E402,F401
-
-TINY = REPO / "vllm_minicpm_hotfix" / "data" / "tiny-minicpm-v46"
-MAKE_CHECKPOINT = REPO / "scripts" / "make_tiny_checkpoint.py"
-
-ATTN = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
-#: What stock vLLM raised in the original report (case-01, a main build that stacked nothing).
-SEED_ERA_ERROR = "There is no module or parameter named 'vit_merger.self_attn.k_proj' in MiniCPMV4_6ForConditionalGeneration"
-
-
-def vllm_release() -> str:
-    import vllm
-
-    return vllm.__version__.split("+")[0]
+# hotfix_mode: a fixture for every module (support.environment); the rest is imported by the test modules themselves.
+from support.environment import hotfix_mode  # noqa: E402,F401
+from support.observed import RUN_FACTS  # noqa: E402
+from support.paths import MAKE_CHECKPOINT, TINY  # noqa: E402
+from support.placement import EVERYWHERE_VAR, environment_spec, vllm_release  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -45,20 +34,20 @@ def release() -> str:
 
 @pytest.fixture(scope="session")
 def environment() -> tuple[str, str]:
-    """``(vLLM release, transformers version)`` installed here; fails (never skips) if tests/expected.py lacks it."""
-    import expected as table
+    """``(vLLM release, transformers version)`` installed here; fails (never skips) if tests/support/expected.py lacks it."""
+    from support import expected as table
 
     env = table.installed_environment()
     if env not in table.ENVIRONMENTS:
-        pytest.fail(str(table.UnknownEnvironment(f"vLLM {env[0]} with transformers {env[1]} is not in tests/expected.py")))
+        pytest.fail(str(table.UnknownEnvironment(f"vLLM {env[0]} with transformers {env[1]} is not in tests/support/expected.py")))
     return env
 
 
 @pytest.fixture(scope="session")
 def expected(environment) -> tuple[str, str | None]:
     """``(the q/k/v probe's stock verdict, the error stock vLLM raises loading a 4.6 checkpoint or None)`` here, from
-    tests/expected.py."""
-    import expected as table
+    tests/support/expected.py."""
+    from support import expected as table
 
     try:
         return table.verdict("qkv_loader", environment), table.stock_load_error(environment[0])
@@ -97,31 +86,6 @@ def checkpoint(request, tiny: Path) -> Path:
     return tiny if request.param == "tied" else request.getfixturevalue("tiny_untied")
 
 
-@contextlib.contextmanager
-def hotfix(m46, mode: str, fixes: tuple[str, ...] = ("qkv_loader",)):
-    """Apply the named fixes (``vllm_minicpm_hotfix.fixes`` NAMEs, in registry order; ``None`` for all) to the
-    imported module as the post-import hook would under ``VLLM_MINICPM_HOTFIX=mode``; yields the first one's
-    :class:`~vllm_minicpm_hotfix.record.FixStatus` (or a dict NAME -> FixStatus when several are named); reverts on
-    exit so the next test sees stock vLLM again."""
-    from vllm_minicpm_hotfix.fixes import REGISTRY, _base
-
-    chosen = [f for f in REGISTRY if fixes is None or f.NAME in fixes]
-    unknown = set(fixes or ()) - {f.NAME for f in chosen}
-    assert not unknown, f"unknown fixes {unknown}"
-    with hotfix_mode_set(mode):
-        try:
-            out = {}
-            try:
-                for fix in chosen:
-                    out[fix.NAME] = _base.run(fix, m46)
-            except BaseException:
-                _base.revert(m46)
-                raise
-            yield out[chosen[0].NAME] if fixes is not None and len(chosen) == 1 else out
-        finally:
-            _base.revert(m46)
-
-
 @pytest.fixture(autouse=True)
 def _stock_between_tests(m46):
     """Every test starts and ends with vLLM's classes exactly as vLLM defined them."""
@@ -139,20 +103,6 @@ def _stock_between_tests(m46):
     yield
     request_kwargs.ENCODER_CACHE_SIZE.clear()
     assert not patched(), f"this test left vLLM patched: {patched()}"
-
-
-#: The environment variable scripts/test sets to the environment's spec ("0.28.0", "0.28.0:tf5.20.0",
-#: "0.28.0:unpinned"); run by hand, the spec is the installed vLLM release.
-ENV_SPEC_VAR = "VLLM_MINICPM_HOTFIX_ENV"
-#: Set to 1 to run every test in this environment, wherever it is placed.
-EVERYWHERE_VAR = "VLLM_MINICPM_HOTFIX_EVERYWHERE"
-#: Where the modules that start many fresh interpreters (activation routes, the CLI, hostile environments, tensor
-#: parallel ranks) run: one release whose own q/k/v loading is broken and one where it is correct.
-FULL_ENVS = ("0.28.0", "0.32.0")
-
-
-def environment_spec() -> str:
-    return os.environ.get(ENV_SPEC_VAR) or vllm_release()
 
 
 def pytest_configure(config):
@@ -190,8 +140,8 @@ def pytest_report_header(config):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Activation environments shared by test_activation.py and test_reliability.py (built once per session: a wheel of
-# this repository, overlays of this environment with it pip-installed, a bundle). Helpers live in tests/e2e.
+# Activation environments shared by the activation and reliability tests (built once per session: a wheel of this
+# repository, overlays of this environment with it pip-installed, a bundle). Helpers live in tests/support/venvs.py.
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -202,7 +152,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def wheel(work) -> Path:
-    from e2e import build_wheel
+    from support.venvs import build_wheel
 
     return build_wheel(work / "wheel")
 
@@ -210,7 +160,7 @@ def wheel(work) -> Path:
 @pytest.fixture(scope="session")
 def pip_env(work, wheel) -> Path:
     """An overlay of this environment with the wheel pip-installed (wrapt comes from the environment)."""
-    from e2e import overlay_env, pip_install
+    from support.venvs import overlay_env, pip_install
 
     python = overlay_env(work / "pip-env", wrapt=True)
     pip_install(python, str(wheel))
@@ -220,27 +170,16 @@ def pip_env(work, wheel) -> Path:
 @pytest.fixture(scope="session")
 def bare_env(work) -> Path:
     """An overlay of this environment without wrapt and without the package: a vLLM image as shipped."""
-    from e2e import overlay_env
+    from support.venvs import overlay_env
 
     return overlay_env(work / "bare-env", wrapt=False)
 
 
 @pytest.fixture(scope="session")
 def bundle_dir(work) -> Path:
-    from e2e import make_bundle
+    from support.venvs import make_bundle
 
     return make_bundle(work / "bundle")
-
-
-#: What tests observed in this environment, for README's release table (``scripts/results.py``): section -> key ->
-#: {what: observation}. Written only by a test that has just asserted the observation, so a failed or deselected test
-#: leaves its cell empty; dumped into the environment's report by ``pytest_sessionfinish``.
-RUN_FACTS: dict[str, dict[str, dict[str, str]]] = {}
-
-
-def observed(section: str, key: str, **what: str) -> None:
-    """Record an observation a test has just asserted (see :data:`RUN_FACTS`)."""
-    RUN_FACTS.setdefault(section, {}).setdefault(key, {}).update(what)
 
 
 def pytest_sessionfinish(session, exitstatus):

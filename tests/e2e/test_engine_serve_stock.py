@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from e2e import clean_env
-from e2e.server import HEALTHY_WITHIN_S, chat, chat_kwargs, healthy, outcome, serving
-from e2e.test_engine_serve import KILL_SIZE, SERVE_ARGS, find_kill_request, image
+from support.venvs import clean_env
+from support.server import HEALTHY_WITHIN_S, chat, chat_kwargs, healthy, outcome, serving
+from support.serving import KILL_SIZE, SERVE_ARGS, find_kill_request, image
 
 #: Where stock vLLM starts here (deselected elsewhere).
 RELEASES = ("0.32.0",)

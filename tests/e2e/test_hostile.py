@@ -2,8 +2,8 @@
 127.0.0.1, one server at a time, one release per family (A 0.22.1, B 0.24.0, C 0.30.0, D 0.32.0) with the hotfix
 pip-installed, and stock 0.32.0 (where stock vLLM starts here at all) on the same cases.
 
-The cases (tests/hostile_cases.py: bad kwarg types, degenerate and geometry values, oversized requests, odd images,
-batches, concurrent requests, the processor cache, a seeded generator) are sent by tests/hostile_driver.py, which
+The cases (tests/support/hostile_cases.py: bad kwarg types, degenerate and geometry values, oversized requests, odd images,
+batches, concurrent requests, the processor cache, a seeded generator) are sent by tests/support/hostile_driver.py, which
 checks the server after each and samples the API server's RSS. One line per server::
 
     0.32.0 hotfix: cases 64, requests 70, 2xx .., 4xx .., 5xx or no answer 0, engine deaths 0, peak RSS above idle ..
@@ -23,13 +23,13 @@ from __future__ import annotations
 import sys
 
 import pytest
-from hotfix_log import patched_pids
+from support.hotfix_log import patched_pids
 
-import hostile_cases
-import hostile_driver
-from e2e import clean_env
-from e2e.server import HEALTHY_WITHIN_S, serving
-from e2e.test_engine_serve import has_serve_flag
+from support import hostile_cases
+from support import hostile_driver
+from support.venvs import clean_env
+from support.server import HEALTHY_WITHIN_S, serving
+from support.serving import has_serve_flag
 
 RELEASES = ("0.22.1", "0.24.0", "0.30.0", "0.32.0")
 pytestmark = pytest.mark.placed(*RELEASES)

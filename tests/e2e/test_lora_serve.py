@@ -1,20 +1,20 @@
 """LoRA through real ``vllm serve --enable-lora`` on a release whose stock model class refuses it (``lora_support``).
 
-vLLM 0.23.0 (stock ``lora_support`` verdict ``broken``, tests/expected.py). Stock ``vllm serve`` of the tiny 4.6
+vLLM 0.23.0 (stock ``lora_support`` verdict ``broken``, tests/support/expected.py). Stock ``vllm serve`` of the tiny 4.6
 checkpoint does not get as far as LoRA there: its API server dies building transformers' processor (``AttributeError:
 'MiniCPMV4_6ImageProcessor' object has no attribute 'version'``, the ``hf_processor_version`` fix; see
-tests/test_prompt_engine.py). So the refusal is shown with every fix applied but ``lora_support`` (left out through
-``tests/e2e/leave_out_site``): ``vllm serve --enable-lora`` stops at start-up with ``ValueError:
+tests/prompt/test_prompt_engine.py). So the refusal is shown with every fix applied but ``lora_support`` (left out through
+``tests/programs/leave_out_site``): ``vllm serve --enable-lora`` stops at start-up with ``ValueError:
 MiniCPMV4_6ForConditionalGeneration does not support LoRA yet.`` (vLLM's ``LoRAModelRunnerMixin.load_lora_model``,
 in EngineCore after the weights loaded). With the whole hotfix pip-installed the same server starts with
 ``--lora-modules tiny=<adapter>``, and the OpenAI client's greedy chat completion with ``model="tiny"`` gives exactly
 the tokens of the independent reference: transformers' own model with the adapter applied by peft
-(tests/lora_adapter.py, run in a fresh interpreter with peft from tests/e2e/peft_site.py), on the prompt ids of
+(tests/support/lora_adapter.py, run in a fresh interpreter with peft from tests/support/peft_site.py), on the prompt ids of
 transformers' processor (asserted equal to the ids the server rendered). The same request with the base model's
 name on the same server gives other tokens: the adapter is what changed them.
 
 The same server runs with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: ``POST /v1/load_lora_adapter`` of a peft adapter
-of the vision tower (tests/lora_tower_adapter.py), which vLLM would load and silently ignore (tests/
+of the vision tower (tests/support/lora_tower_adapter.py), which vLLM would load and silently ignore (tests/
 test_lora_tower.py shows it with vLLM's own LoRA manager on every environment), is refused with
 HTTP 400 and ``lora_tower``'s error naming the adapter, the tower modules and the model, in the API server
 before the engine (vLLM's API server turns every engine-side error of an adapter load into HTTP 500: measured with
@@ -22,9 +22,9 @@ only the worker's check in place), and the language-model adapter still answers 
 afterwards.
 
 The adapter is written by peft (``LoraConfig`` + ``get_peft_model`` + ``save_pretrained``) for the language model's
-full-attention projections and MLPs, ``lora_B`` seeded nonzero; tests/lora_adapter.py says how the seed is chosen.
+full-attention projections and MLPs, ``lora_B`` seeded nonzero; tests/support/lora_adapter.py says how the seed is chosen.
 
-Placed on 0.23.0 only (a short session; 0.22.1 and 0.24.0 refuse the same way, tests/test_lora_support.py shows
+Placed on 0.23.0 only (a short session; 0.22.1 and 0.24.0 refuse the same way, tests/fixes/test_lora_support.py shows
 vLLM's LoRA start-up on every environment): one server without ``lora_support`` that stops at start-up while the
 reference is computed, one hotfix server.
 """
@@ -37,13 +37,13 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, TINY
-from hotfix_log import patched_pids, summaries
+from support.paths import REPO, TINY
+from support.hotfix_log import patched_pids, summaries
 
-from e2e import LEAVE_OUT_SITE, clean_env
-from e2e.peft_site import peft_site
-from e2e.server import FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, healthy, post, serving
-from e2e.test_engine_serve import SERVE_ARGS
+from support.venvs import LEAVE_OUT_SITE, clean_env
+from support.peft_site import peft_site
+from support.server import FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, healthy, post, serving
+from support.serving import SERVE_ARGS
 from vllm_minicpm_hotfix.fixes import lora_support
 
 RELEASES = ("0.23.0",)
@@ -51,7 +51,7 @@ pytestmark = pytest.mark.placed(*RELEASES)
 
 PROMPT = "Describe a cat."
 MAX_TOKENS = 6
-RANK = 8  # tests/lora_adapter.py RANK
+RANK = 8  # tests/support/lora_adapter.py RANK
 LORA_ARGS = ["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "1"]
 REFUSAL = "ValueError: MiniCPMV4_6ForConditionalGeneration does not support LoRA yet."
 
@@ -59,7 +59,7 @@ REFUSAL = "ValueError: MiniCPMV4_6ForConditionalGeneration does not support LoRA
 @pytest.fixture(scope="module")
 def prepared(pip_env, tmp_path_factory):
     """The refusal and the reference, side by side: ``vllm serve --enable-lora`` without ``lora_support`` starts while
-    tests/lora_adapter.py writes the adapter and computes transformers + peft's greedy tokens. Returns
+    tests/support/lora_adapter.py writes the adapter and computes transformers + peft's greedy tokens. Returns
     ``{"reference": JSON, "adapters": dir, "without_exit": code, "without_log": text}``."""
     tmp = tmp_path_factory.mktemp("lora-serve")
     site = peft_site()
@@ -68,7 +68,7 @@ def prepared(pip_env, tmp_path_factory):
     without = Server(pip_env, env, tmp / "without.log", cwd=tmp, args=SERVE_ARGS + LORA_ARGS)
     try:
         proc = subprocess.run(
-            [sys.executable, str(REPO / "tests" / "lora_adapter.py"), str(TINY), str(tmp / "adapters"), PROMPT,
+            [sys.executable, str(REPO / "tests" / "support" / "lora_adapter.py"), str(TINY), str(tmp / "adapters"), PROMPT,
              str(MAX_TOKENS)],
             env=clean_env(PYTHONPATH=str(site)), cwd=tmp, capture_output=True, text=True, timeout=600, check=False,
         )
@@ -76,7 +76,7 @@ def prepared(pip_env, tmp_path_factory):
         reference = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"\nreference (transformers + peft) after {time.monotonic() - started:.0f} s: {reference}")
         tower = subprocess.run(
-            [sys.executable, str(REPO / "tests" / "lora_tower_adapter.py"), str(TINY), str(tmp / "adapters" / "tower")],
+            [sys.executable, str(REPO / "tests" / "support" / "lora_tower_adapter.py"), str(TINY), str(tmp / "adapters" / "tower")],
             env=clean_env(PYTHONPATH=str(site)), cwd=tmp, capture_output=True, text=True, timeout=600, check=False,
         )
         assert tower.returncode == 0, tower.stdout[-3000:] + tower.stderr[-5000:]

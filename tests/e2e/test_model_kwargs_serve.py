@@ -1,6 +1,6 @@
 """Bad model-level ``--mm-processor-kwargs`` stop a real ``vllm serve`` at start-up with one clear error.
 
-One configuration (tests/hostile_cases.py's :data:`~hostile_cases.MODEL_LEVEL_BAD`: ``max_slice_nums: -1``, a
+One configuration (tests/support/hostile_cases.py's :data:`~hostile_cases.MODEL_LEVEL_BAD`: ``max_slice_nums: -1``, a
 degenerate value; ``patch_size: 7``, geometry the checkpoint was built with; ``slice_mode: "false"``, a wrong type),
 two servers of the tiny checkpoint on 127.0.0.1, one after the other:
 
@@ -9,7 +9,7 @@ two servers of the tiny checkpoint on 127.0.0.1, one after the other:
   traceback in the log (vLLM's own, of the process that failed), and no hotfix log line reports a failure of its own;
 * **without the check**: the same server with every fix but ``request_kwargs`` (stock 0.30.0 does not load the
   checkpoint at all: the load fixes are needed first), ``request_kwargs`` left out by the test-only
-  ``sitecustomize`` of tests/e2e/leave_out_site: vLLM also fails at start-up, inside its token counting,
+  ``sitecustomize`` of tests/programs/leave_out_site: vLLM also fails at start-up, inside its token counting,
   with an error naming none of the keys (``ValueError: math domain error`` from transformers' ``get_sliced_grid``
   on 0.30.0).
 
@@ -22,12 +22,12 @@ import json
 import re
 
 import pytest
-from hotfix_log import summaries
+from support.hotfix_log import summaries
 
-import hostile_cases
-from e2e import LEAVE_OUT_SITE, clean_env
-from e2e.server import FAILS_WITHIN_S, serving
-from e2e.test_bug_report_serve import CPU_ARGS
+from support import hostile_cases
+from support.venvs import LEAVE_OUT_SITE, clean_env
+from support.server import FAILS_WITHIN_S, serving
+from support.serving import CPU_ARGS
 
 pytestmark = pytest.mark.placed("0.30.0")
 

@@ -21,10 +21,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import quant_checkpoints as qc
-from conftest import TINY
-
-from e2e import clean_env
+from support import quant_checkpoints as qc
+from support.paths import TINY
+from support.venvs import clean_env
 
 E2E_RELEASES = ("0.28.0",)
 pytestmark = pytest.mark.placed(*E2E_RELEASES)

@@ -1,7 +1,7 @@
 """The hotfix in Ray workers: a real Ray cluster on this machine (seven raylets on loopback addresses, each a "node"
 with its own Python and environment), vLLM's model loaded in Ray actors pinned one per raylet, ``doctor --ray``.
 
-Nodes (tests/ray_cluster.py; ray 2.60.0's CPU wheel, linked into throwaway overlays of the test environment):
+Nodes (tests/support/ray_cluster.py; ray 2.60.0's CPU wheel, linked into throwaway overlays of the test environment):
 
 ========  ===========  =====================================================================================
 node      address      what the node runs
@@ -31,7 +31,7 @@ hotfix) on its own plain raylet fails with the ``k_proj`` error this release has
 Runs on one release, one where stock vLLM is broken (RAY_RELEASES); about 3-4 minutes on 2 cores, most of it the
 vLLM imports of five actors and the engine driver at once (routes 1 and 2 load in one actor each, on pip_a and
 bundle_a; route 3 in two, on node_a and node_b; pip_b and bundle_b are inspected by ``doctor --ray`` only). The jobs, the engine attempt and the doctor probes share one cluster, started once; each
-actor that imports vLLM has a raylet of its own (tests/ray_cluster.py RAY_CONFIG says why).
+actor that imports vLLM has a raylet of its own (tests/support/ray_cluster.py RAY_CONFIG says why).
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from hotfix_log import patched_pids
-import ray_cluster
-from conftest import REPO, TINY
-
-from e2e import clean_env, overlay_env, pip_install
+from support.hotfix_log import patched_pids
+from support import ray_cluster
+from support.paths import REPO, TINY
+from support.venvs import clean_env, overlay_env, pip_install
 
 RAY_RELEASES = ("0.28.0",)
 JOB_TIMEOUT_S = 480
@@ -130,7 +129,7 @@ def jobs(cluster, ray_work, plain_py, pip_py, bundle_dir, base_env) -> dict[str,
     driver's folders on the workers' ``sys.path``): ``{name: {"rc", "log", "seconds", "result"}}``."""
     scratch = ray_work / "drivers"
     scratch.mkdir()
-    shutil.copy(REPO / "tests" / "ray_driver.py", scratch)
+    shutil.copy(REPO / "tests" / "support" / "ray_driver.py", scratch)
     runtime_env = json.dumps({"env_vars": {"PYTHONPATH": str(bundle_dir)}})
     specs = {
         # Routes 1 and 2 arm each node by itself (its own site-packages / PYTHONPATH): one actor each. Route 3 is
@@ -217,7 +216,7 @@ def test_stock_actor_fails_with_this_releases_error(jobs, expected):
 
 
 def test_route1_pip_installed_on_every_node(jobs, cluster, pip_py):
-    from e2e import site_packages
+    from support.venvs import site_packages
 
     assert_route(jobs, cluster, "pip", ("pip_a",), "pth", str(site_packages(pip_py)))
 

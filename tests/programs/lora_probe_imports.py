@@ -1,5 +1,5 @@
 """lora_tower's probe on the installed vLLM's model module, in a fresh interpreter: prints its verdict and whether
-the probe imported vLLM's LoRA manager modules (tests/test_lora_tower.py: it must not; they cost ~0.13 s of CPU in
+the probe imported vLLM's LoRA manager modules (tests/fixes/test_lora_tower.py: it must not; they cost ~0.13 s of CPU in
 every vLLM process). Run with the repository on PYTHONPATH and VLLM_MINICPM_HOTFIX=off."""
 
 import importlib

@@ -7,7 +7,7 @@
 ``vllm_minicpm_hotfix.install()``. Prints ``models`` (``status()["models"]``), ``rows`` (fix NAME -> member ->
 ``[verdict, applied]``), ``active`` (fix NAME -> the members its wrappers act for, ``fixes._base._ACTIVE``) and
 ``imported`` (which of the two modules are in ``sys.modules``). Probes run eagerly
-(``VLLM_MINICPM_HOTFIX_PROBES=eager``) so that every verdict is the stock one tests/expected.py pins.
+(``VLLM_MINICPM_HOTFIX_PROBES=eager``) so that every verdict is the stock one tests/support/expected.py pins.
 """
 
 import importlib

@@ -1,4 +1,4 @@
-"""The file the package is imported from, and the finders start-up armed (tests/test_activation.py, an editable
+"""The file the package is imported from, and the finders start-up armed (tests/activation/test_activation.py, an editable
 install)."""
 
 import json

@@ -1,4 +1,4 @@
-"""Right after start-up (tests/test_pep829.py): this Python's version, the finders waiting for ``import vllm`` and
+"""Right after start-up (tests/activation/test_pep829.py): this Python's version, the finders waiting for ``import vllm`` and
 which of wrapt, vLLM and the package start-up imported."""
 
 import json

@@ -1,3 +1,3 @@
-"""Prints ``ran``: start-up went on to run the program (tests/test_activation.py, a broken install's ``.pth``)."""
+"""Prints ``ran``: start-up went on to run the program (tests/activation/test_activation.py, a broken install's ``.pth``)."""
 
 print("ran")

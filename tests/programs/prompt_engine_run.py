@@ -7,7 +7,7 @@ token ids vLLM built for each request as one JSON line.
 "frames": N, "kwargs": {...}}, ...], "revert": [fix NAME, ...], "limits": {...}}``; ``revert`` (optional, for showing
 stock vLLM on an engine) undoes those fixes right after the hook applied them (for every family member: the
 member modules are imported first); ``limits`` (optional) is the engine's
-``limit_mm_per_prompt`` (default ``{"image": 2, "video": 1}``). Run by tests/test_prompt_engine.py in a fresh interpreter of the test
+``limit_mm_per_prompt`` (default ``{"image": 2, "video": 1}``). Run by tests/prompt/test_prompt_engine.py in a fresh interpreter of the test
 environment; the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the post-import hook
 installed here covers the API-side processor and the model alike. Each request is generated on its own (greedy, one
 token); a request that fails is recorded with its error and the next one still runs.
@@ -58,7 +58,7 @@ def main(spec_path: str) -> None:
 
     vllm_minicpm_hotfix.install()
 
-    from test_prompt_conformance import image, video  # the same items as the processor sweep
+    from support.prompt import image, video  # the same items as the processor sweep
     from vllm import LLM, SamplingParams
 
     spec = json.loads(Path(spec_path).read_text())

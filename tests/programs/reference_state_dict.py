@@ -1,10 +1,10 @@
-"""Write the independent reference of tests/test_independent_reference.py: the whole model as stock vLLM loads it.
+"""Write the independent reference of tests/loading/test_independent_reference.py: the whole model as stock vLLM loads it.
 
     VLLM_MINICPM_HOTFIX=off  <vLLM 0.32.0 python>  tests/programs/reference_state_dict.py
         OUT_DIR DTYPE LABEL=CHECKPOINT_DIR...
 
 Run by the test in a fresh interpreter of the vLLM 0.32.0 environment, a release whose own q/k/v loading is correct
-(tests/expected.py ``VERDICTS``). It imports nothing of vllm-minicpm-hotfix -- not even its CPU model builder -- and
+(tests/support/expected.py ``VERDICTS``). It imports nothing of vllm-minicpm-hotfix -- not even its CPU model builder -- and
 refuses to run if the package is importable or imported, so the reference cannot be the hotfix's own output. For each
 checkpoint it does what a vLLM worker does at start-up, with vLLM's own API only: initialise vLLM's (single-rank,
 gloo) distributed state, build ``MiniCPMV4_6ForConditionalGeneration`` from ``ModelConfig(model=DIR, dtype=DTYPE)``

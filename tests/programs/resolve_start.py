@@ -1,7 +1,7 @@
 """Resolves the entry points of the ``.start`` file installed in ``argv[1]`` (a site-packages folder, appended to
 ``sys.path`` if missing) as Python 3.15's ``site`` does (``pkgutil.resolve_name``, then a call without arguments),
 twice, then lets the ``.pth``'s line run too; reports the finders waiting for ``import vllm`` after each step and
-every module imported (tests/test_install_modes.py)."""
+every module imported (tests/activation/test_install_modes.py)."""
 
 import json
 import pkgutil

@@ -1,6 +1,6 @@
 """What a fresh interpreter looks like right after start-up, before it imports anything itself: every module
 imported, the finders waiting for ``import vllm``, the ``sitecustomize`` that ran and the next one it chained to, and
-the marker a stand-in image ``sitecustomize`` sets (tests/test_activation.py)."""
+the marker a stand-in image ``sitecustomize`` sets (tests/activation/test_activation.py)."""
 
 import json
 import sys

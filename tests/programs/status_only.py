@@ -1,4 +1,4 @@
-"""``status()`` of the package imported alone (tests/test_hook.py): the record, and which of wrapt, torch and vLLM
+"""``status()`` of the package imported alone (tests/activation/test_hook.py): the record, and which of wrapt, torch and vLLM
 that import pulled in."""
 
 import json

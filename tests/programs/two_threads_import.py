@@ -1,5 +1,5 @@
 """Two threads importing vLLM's model module at once after ``install()``, the hook and the qkv_loader fix's ``apply``
-counted (tests/test_reliability.py::test_two_threads_importing_the_module_patch_once). Prints the counts."""
+counted (tests/loading/test_reliability.py::test_two_threads_importing_the_module_patch_once). Prints the counts."""
 
 import importlib
 import json

@@ -2,7 +2,7 @@
 sentence ``doctor`` ends with (is the package still needed here, and which measured release needs none of it).
 
 The facts ship with the package as ``data/releases.json``, derived by ``scripts/release-facts`` (:func:`derive`) from
-the recorded run ``docs/results/test-run.json`` that ``scripts/test --record`` writes; tests/test_release.py fails
+the recorded run ``docs/results/test-run.json`` that ``scripts/test --record`` writes; tests/release/test_release.py fails
 when the two differ. Nothing here is typed by hand, and nothing imports vLLM.
 """
 

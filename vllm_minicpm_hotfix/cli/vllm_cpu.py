@@ -13,7 +13,7 @@ Importing this module does not import vLLM (``import vllm`` takes ~30 s); the fu
 ``VLLM_TARGET_DEVICE=cpu`` before calling them (done here with ``setdefault`` if unset).
 
 The checkpoint's files are listed and read by :mod:`vllm_minicpm_hotfix.checkpoint`, the one module of the package
-this one imports: tests/ray_driver.py runs the two files' sources in Ray actors of nodes that have no hotfix
+this one imports: tests/support/ray_driver.py runs the two files' sources in Ray actors of nodes that have no hotfix
 installed.
 """
 

