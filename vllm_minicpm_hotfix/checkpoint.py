@@ -13,7 +13,7 @@ Users: :mod:`vllm_minicpm_hotfix.quant_layout` (and through it the ``quantized_v
 (:mod:`vllm_minicpm_hotfix.cli.verify.checkpoint`) and the CPU model builder (:mod:`vllm_minicpm_hotfix.cli.vllm_cpu`).
 
 The module imports nothing of the package and nothing outside the standard library at import time (safetensors and
-torch are imported by the functions that need them): tests/ray_driver.py hands its source, with vllm_cpu.py's, to
+torch are imported by the functions that need them): tests/support/ray_driver.py hands its source, with vllm_cpu.py's, to
 Ray actors on nodes that have nothing of the hotfix installed.
 """
 

@@ -167,8 +167,16 @@ def _drawn_on_a_terminal(total: int, steps: int) -> str:
                 for _ in range(steps):
                     bar.update(total // steps)
             tty.flush()
-        ready, _, _ = select.select([leader], [], [], 10)
-        return os.read(leader, 65536).decode(errors="replace") if ready else ""
+        # Everything is written before the first read, but a pseudo-terminal hands it over in pieces: read until
+        # nothing more arrives for a while (the first piece may take long on a loaded machine).
+        chunks, wait = [], 10.0
+        while select.select([leader], [], [], wait)[0]:
+            chunk = os.read(leader, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            wait = 0.5
+        return b"".join(chunks).decode(errors="replace")
     finally:
         os.close(leader)
         os.close(follower)
