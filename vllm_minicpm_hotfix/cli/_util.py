@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -150,27 +149,6 @@ def print_verdict(ok: bool, line: str, stream=None) -> None:
         print(line, file=stream)
 
 
-class _PlainProgress:
-    """The fallback without tqdm: one ``\\r``-rewritten line, at most twice a second, erased at the end."""
-
-    def __init__(self, total: float, desc: str, stream) -> None:
-        self.total, self.desc, self.stream, self.done, self._last = total, desc, stream, 0.0, 0.0
-
-    def update(self, n: float) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self._last >= 0.5 or self.done >= self.total:
-            self._last = now
-            pct = 100 * self.done / self.total if self.total else 100
-            self.stream.write(f"\r  {self.desc} {pct:3.0f}% ({fmt_bytes(self.done)} of {fmt_bytes(self.total)})")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self._last:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-
-
 class _NoProgress:
     def update(self, n: float) -> None:
         pass
@@ -181,8 +159,9 @@ class _NoProgress:
 
 @contextmanager
 def progress(total: float, desc: str, stream=None) -> Iterator:
-    """A progress bar over ``total`` bytes -- ``tqdm`` if importable, else a plain line -- shown only when ``stream``
-    (stdout) is a terminal, and erased when done. Yields an object with ``update(nbytes)``."""
+    """A progress bar over ``total`` bytes (``tqdm``, which every vLLM environment has), shown only when ``stream``
+    (stdout) is a terminal, and erased when done; nothing is drawn where tqdm cannot be imported. Yields an object
+    with ``update(nbytes)``."""
     stream = stream or sys.stdout
     try:
         on_terminal = stream.isatty() and os.environ.get("TERM") != "dumb"
@@ -196,8 +175,8 @@ def progress(total: float, desc: str, stream=None) -> Iterator:
 
             bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=stream,
                        leave=False, dynamic_ncols=True, position=0)  # verify's only bar
-        except Exception:  # noqa: BLE001 - no (working) tqdm: the plain line
-            bar = _PlainProgress(total, desc, stream)
+        except Exception:  # noqa: BLE001 - no (working) tqdm: no bar
+            bar = _NoProgress()
     try:
         yield bar
     finally:
