@@ -75,11 +75,12 @@ def test_subclasses_keep_vllm_behaviour(m46):
     from vllm.multimodal.parse import ImageSize
 
     from vllm_minicpm_hotfix.fixes import _mm_prompt as mp
+    from vllm_minicpm_hotfix.fixes._proxies import ModeDefaultingImageProcessor
 
     info_cls = getattr(m46, "MiniCPMV4_6ProcessingInfo")
     sub = type("SubInfo", (info_cls,), {})
     native = mp.stand_in_hf_processor()
-    stand_in = mp.stand_in_info(sub, native, image_processor=mp.ModeDefaultingImageProcessor(native.image_processor))
+    stand_in = mp.stand_in_info(sub, native, image_processor=ModeDefaultingImageProcessor(native.image_processor))
     own = info_cls.get_slice_image_placeholder(stand_in, ImageSize(130, 82))
     with hotfix(m46, "force", fixes=("mm_placeholders",)):
         assert sub.get_slice_image_placeholder(stand_in, ImageSize(130, 82)) == own

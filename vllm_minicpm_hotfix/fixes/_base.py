@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -104,6 +105,35 @@ def covers(fix: ModuleType | tuple[str, ...], obj: Any) -> bool:
         return False
     active = _ACTIVE.get(fix.NAME)
     return member in (active if active is not None else models_of(fix))
+
+
+class WeakMemo:
+    """A bounded memo of values computed per request from objects vLLM builds once and keeps (its processors, its
+    tokenizer), for the wrappers on the request path. A key names those objects by ``id()``; the entry keeps weak
+    references to them and counts only while they are still those very objects, so an id is never taken for a later
+    object's and nothing is kept alive. Objects that cannot be weakly referenced are not memoised. Cleared when
+    ``limit`` entries are held."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.limit = limit
+        self._entries: dict[Any, tuple[tuple[Any, ...], Any]] = {}
+
+    def get(self, key: Any, objects: tuple[Any, ...] = ()) -> Any:
+        """The value kept for ``key`` and ``objects``, else None. Raises ``TypeError`` for an unhashable key."""
+        hit = self._entries.get(key)
+        if hit is None or any(ref() is not obj for ref, obj in zip(hit[0], objects)):
+            return None
+        return hit[1]
+
+    def put(self, key: Any, objects: tuple[Any, ...], value: Any) -> None:
+        """Keep ``value`` (not None) for ``key`` while ``objects`` live."""
+        try:
+            refs = tuple(weakref.ref(obj) for obj in objects)
+        except TypeError:  # not weakly referenceable: not kept
+            return
+        if len(self._entries) >= self.limit:
+            self._entries.clear()
+        self._entries[key] = (refs, value)
 
 
 def binder(original: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
@@ -426,21 +456,8 @@ def on_import(factory: Factory, without: str = "vLLM's own code is used") -> OnI
     return OnImport(factory, without)
 
 
-def _fix_and_table(fix: ModuleType | str, patches: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
-    if isinstance(fix, str):
-        name = fix
-        if patches is None:
-            from . import by_name  # not at import time: this package's __init__ imports this module
-
-            patches = by_name(fix).PATCHES
-    else:
-        name = fix.NAME
-        patches = fix.PATCHES if patches is None else patches
-    return name, patches
-
-
 def apply_patches(fix: ModuleType | str, module: ModuleType, patches: dict[str, Any] | None = None) -> list[str]:
-    """Set ``fix``'s ``PATCHES`` (a fix module or its NAME; or ``patches``, a table of the same shape) through
+    """Set ``fix``'s ``PATCHES`` (``fix`` a fix module; or ``fix`` its NAME and ``patches`` a table of that shape) through
     :func:`set_attributes`: all or nothing, each value marked and recorded for :func:`revert_fix`. Returns the targets
     set now.
 
@@ -450,7 +467,8 @@ def apply_patches(fix: ModuleType | str, module: ModuleType, patches: dict[str, 
     set, and where it returns None the target is left as it is (not on this release). An :class:`OnImport` target
     whose module vLLM has not imported yet is set when vLLM imports it; one whose module is imported but has no such
     owner is left alone. Raises what a factory raises (nothing is set then)."""
-    name, table = _fix_and_table(fix, patches)
+    name = fix if isinstance(fix, str) else fix.NAME
+    table = fix.PATCHES if patches is None else patches
     done: list[str] = []
     later: list[str] = []
 

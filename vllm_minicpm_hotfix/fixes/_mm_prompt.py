@@ -36,7 +36,6 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -354,34 +353,25 @@ def _rows_text(hf: Any, pad: str, source: int, grid: Sequence[int], per_slice: S
     return text
 
 
-#: Texts :func:`image_text` / :func:`video_text` built: (function, id of transformers' processor, id of its image
-#: processor, the sizes, the effective kwargs, the index) -> (weak references to the two processors, text). The text
-#: is a pure function of these (the processors' own sizing methods and tokens, which vLLM builds once per model and
-#: never changes); a server sees the same few sizes over and over. An entry counts only while its references still
-#: point at the very objects (an id is never taken for a later object's); bounded (:data:`_TEXTS_LIMIT`).
-_TEXTS: dict[tuple[Any, ...], tuple[Any, Any, str]] = {}
-_TEXTS_LIMIT = 1024
+#: Texts :func:`image_text` / :func:`video_text` built, per (function, transformers' processor, its image processor,
+#: the sizes, the effective kwargs, the index): a pure function of these (the processors' own sizing methods and
+#: tokens, which vLLM builds once per model and never changes), and a server sees the same few sizes over and over.
+_TEXTS = _base.WeakMemo()
 
 
 def _memo_text(build: Callable[..., str]) -> Callable[..., str]:
     @functools.wraps(build)
     def text(hf_processor: Any, image_processor: Any, sizes: Any, eff: Mapping[str, Any], idx: int) -> str:
+        objects = (hf_processor, image_processor)
         try:
             key = (build, id(hf_processor), id(image_processor), tuple(sizes), tuple(eff.items()), idx)
-            hit = _TEXTS.get(key)
-        except TypeError:  # an unhashable value: build it every time
+            hit = _TEXTS.get(key, objects)
+        except TypeError:  # an unhashable value: built every time
             return build(hf_processor, image_processor, sizes, eff, idx)
-        if hit is not None and hit[0]() is hf_processor and hit[1]() is image_processor:
-            return hit[2]
-        out = build(hf_processor, image_processor, sizes, eff, idx)
-        try:
-            refs = weakref.ref(hf_processor), weakref.ref(image_processor)
-        except TypeError:  # not weakly referenceable: not kept
-            return out
-        if len(_TEXTS) >= _TEXTS_LIMIT:
-            _TEXTS.clear()
-        _TEXTS[key] = (*refs, out)
-        return out
+        if hit is None:
+            hit = build(hf_processor, image_processor, sizes, eff, idx)
+            _TEXTS.put(key, objects, hit)
+        return hit
 
     return text
 
@@ -557,16 +547,3 @@ def stand_in_processor(proc_cls: type, info: Any) -> Any:
     proc = proc_cls.__new__(proc_cls)
     proc.__dict__.update(info=info, cache=None)
     return proc
-
-
-def __getattr__(name: str) -> Any:
-    """``ModeDefaultingImageProcessor``: :class:`._proxies.ModeDefaultingImageProcessor`, the transformers image
-    processor whose ``find_best_resize`` / ``get_refine_size`` get ``downsample_mode`` (the processor's own, or the
-    ``mode`` given) when a caller does not pass it and the installed signature takes it; lets a probe run vLLM's own
-    placeholder arithmetic on a transformers >= 5.23 whether or not ``processor_downsample_mode`` is applied.
-    Resolved on first use, so that importing this module needs no wrapt."""
-    if name == "ModeDefaultingImageProcessor":
-        from ._proxies import ModeDefaultingImageProcessor
-
-        return ModeDefaultingImageProcessor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -228,9 +228,11 @@ def _vllm_text(module: ModuleType, modality: str, item: Any, model_kwargs: dict,
     from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems, VideoProcessorItems
     from transformers import BatchFeature
 
+    from ._proxies import ModeDefaultingImageProcessor
+
     info_cls, proc_cls = getattr(module, INFO_CLASS), getattr(module, PROC_CLASS)
     native = _probe_native(tuple(sorted(model_kwargs.items())))
-    info = mp.stand_in_info(info_cls, native, image_processor=mp.ModeDefaultingImageProcessor(native.image_processor))
+    info = mp.stand_in_info(info_cls, native, image_processor=ModeDefaultingImageProcessor(native.image_processor))
     proc = mp.stand_in_processor(proc_cls, info)
     batch = ImageProcessorItems([item]) if modality == "image" else VideoProcessorItems([item])
     items = MultiModalDataItems({modality: batch})

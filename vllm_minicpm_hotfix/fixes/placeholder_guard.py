@@ -74,7 +74,6 @@ import sys
 import functools
 import inspect
 import types
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -206,14 +205,11 @@ def _arity(fn: Any) -> int:
         return 2
 
 
-#: (``is_embed``'s code, its closure's values, the content[, id of the tokenizer]) -> (a weak reference to the
-#: tokenizer or None, count): the
-#: embedding positions :func:`placeholder_embeds` counted for a content. ``is_embed`` is vLLM's
-#: ``PromptUpdateDetails.select_token_id`` / ``select_text`` closure, made anew per request and a pure function of
-#: its closure and its arguments, and a server sees the same few contents (one per image size and kwargs) over and
-#: over; bounded (:data:`_EMBEDS_LIMIT`), and skipped for a closure whose values cannot be hashed.
-_EMBEDS: dict[tuple[Any, ...], tuple[Any, int]] = {}
-_EMBEDS_LIMIT = 1024
+#: Embedding positions :func:`placeholder_embeds` counted, per (``is_embed``'s code, its closure's values, the
+#: content[, the tokenizer]). ``is_embed`` is vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_text``
+#: closure, made anew per request and a pure function of its closure and its arguments, and a server sees the same
+#: few contents (one per image size and kwargs) over and over; skipped for a closure whose values are not plain data.
+_EMBEDS = _base.WeakMemo()
 
 
 def _embeds_key(is_embed: Any, full: Any, two: bool, tokenizer: Any) -> tuple[Any, ...] | None:
@@ -242,18 +238,12 @@ def _count_embeds(is_embed: Any, tokenizer: Any, full: Any) -> int:
     """``int(is_embed(...).sum())`` -- vLLM's own mask over ``full`` -- computed once per distinct content."""
     two = _arity(is_embed) >= 2
     key = _embeds_key(is_embed, full, two, tokenizer)
-    hit = _EMBEDS.get(key) if key is not None else None
-    if hit is not None and (not two or hit[0]() is tokenizer):
-        return hit[1]
-    count = int((is_embed(tokenizer, full) if two else is_embed(full)).sum())
-    if key is not None:
-        try:
-            ref = weakref.ref(tokenizer) if two else None
-        except TypeError:  # not weakly referenceable: not kept
-            return count
-        if len(_EMBEDS) >= _EMBEDS_LIMIT:
-            _EMBEDS.clear()
-        _EMBEDS[key] = (ref, count)
+    objects = (tokenizer,) if two else ()
+    count = _EMBEDS.get(key, objects) if key is not None else None
+    if count is None:
+        count = int((is_embed(tokenizer, full) if two else is_embed(full)).sum())
+        if key is not None:
+            _EMBEDS.put(key, objects, count)
     return count
 
 

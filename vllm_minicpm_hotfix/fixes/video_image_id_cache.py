@@ -116,8 +116,10 @@ def probe(module: ModuleType) -> Verdict:
         from vllm.multimodal.inputs import MultiModalKwargsItems
         from vllm.multimodal.parse import MultiModalDataItems, VideoProcessorItems
 
+        from ._proxies import ModeDefaultingImageProcessor
+
         native = mp.stand_in_hf_processor()
-        view = mp.ModeDefaultingImageProcessor(native.image_processor)
+        view = ModeDefaultingImageProcessor(native.image_processor)
         info = mp.stand_in_info(info_cls, native, image_processor=view)
         proc = mp.stand_in_processor(proc_cls, info)
         video = np.zeros((1, 28, 28, 3), dtype=np.uint8)
