@@ -236,6 +236,33 @@ BOUND_METHODS = (
 )
 
 
+def test_weak_memo_keeps_an_entry_only_for_the_same_live_objects():
+    """_base.WeakMemo (the request path's memos): a hit needs the very objects the entry was kept with, alive; an
+    object that cannot be weakly referenced is not kept; the memo is cleared when it holds ``limit`` entries."""
+    import gc
+
+    class Processor:
+        pass
+
+    class Slotted:
+        __slots__ = ()
+
+    memo = _base.WeakMemo(limit=2)
+    a = Processor()
+    memo.put(("text", id(a)), (a,), "of a")
+    assert memo.get(("text", id(a)), (a,)) == "of a"
+    assert memo.get(("text", id(a)), (Processor(),)) is None  # another object under the same key
+    key = ("text", id(a))
+    del a
+    gc.collect()
+    assert memo.get(key, (Processor(),)) is None  # the kept object is gone: even an object reusing its id misses
+    memo.put(("slotted",), (Slotted(),), 1)
+    assert memo.get(("slotted",), (Slotted(),)) is None
+    memo.put(("x",), (), 1)  # two entries held now (limit 2): the next put clears them first
+    memo.put(("y",), (), 2)
+    assert memo.get(("x",)) is None and memo.get(("y",)) == 2
+
+
 @pytest.mark.parametrize("where", BOUND_METHODS, ids=lambda w: f"{w[1]}.{w[2]}")
 def test_binder_binds_as_inspect_does(m46, where):
     """``_base.binder`` against ``inspect.Signature.bind`` on the installed vLLM's own methods: the same arguments by
