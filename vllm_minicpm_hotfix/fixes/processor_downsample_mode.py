@@ -67,6 +67,7 @@ import sys
 import collections
 import functools
 import inspect
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -83,7 +84,8 @@ PATCHES = {f"{INFO_CLASS}.{METHOD}": lambda old, _: wrap_compute_visual_tokens(o
 #: transformers' image-processor methods vLLM calls without the mode.
 TARGETS = ("find_best_resize", "get_refine_size")
 PARAM = "downsample_mode"
-#: transformers modules holding the 4.6 image processors (torchvision backend first: AutoImageProcessor's default).
+#: transformers modules holding the 4.6 image processors, torchvision backend first: AutoImageProcessor's default, the
+#: class vLLM gets wherever torchvision is installed (the probe judges the first that imports).
 TRANSFORMERS_CLASSES = (
     ("transformers.models.minicpmv4_6.image_processing_minicpmv4_6", "MiniCPMV4_6ImageProcessor"),
     ("transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6", "MiniCPMV4_6ImageProcessorPil"),
@@ -149,19 +151,18 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def transformers_image_processor_classes() -> list[type]:
-    """The installed transformers' MiniCPM-V 4.6 image-processor classes that import (none before 5.7)."""
+def transformers_image_processor_classes() -> Iterator[type]:
+    """The installed transformers' MiniCPM-V 4.6 image-processor classes that import (none before 5.7), in the order
+    of :data:`TRANSFORMERS_CLASSES`, each module imported only when the caller asks for the next class."""
     import importlib
 
-    found = []
     for mod_name, cls_name in TRANSFORMERS_CLASSES:
         try:
             cls = getattr(importlib.import_module(mod_name), cls_name, None)
         except Exception:  # a missing backend (torchvision / PIL) or no such model in this transformers
             continue
         if isinstance(cls, type):
-            found.append(cls)
-    return found
+            yield cls
 
 
 def takes_mode(cls: type) -> dict[str, str]:
@@ -194,8 +195,11 @@ def probe(module: ModuleType) -> Verdict:
         return Verdict(
             decision.State.UNRECOGNISED, f"{module.__name__} has no {INFO_CLASS}.{METHOD}", applicable=False
         )
+    # The class judged is the first that imports: the one transformers' AutoImageProcessor hands vLLM (the torchvision
+    # backend, or the PIL one where torchvision is missing), as _mm_prompt.stand_in_hf_processor picks it. The PIL
+    # module, which vLLM never imports where torchvision is installed, is then not imported by the probe either.
     try:
-        classes = transformers_image_processor_classes()
+        classes = next(([cls] for cls in transformers_image_processor_classes()), [])
     except Exception as exc:  # pragma: no cover - importlib itself failing
         return Verdict(decision.State.UNDETERMINED, f"transformers not inspectable: {exc!r}", applicable=False)
     if not classes:
@@ -204,8 +208,7 @@ def probe(module: ModuleType) -> Verdict:
             "the installed transformers has no MiniCPM-V 4.6 image processor (needs transformers >= 5.7)",
             applicable=False,
         )
-    taking = [(cls, takes_mode(cls)) for cls in classes]
-    taking = [(cls, t) for cls, t in taking if t]
+    taking = [(cls, kinds) for cls in classes if (kinds := takes_mode(cls))]
     if not taking:
         return Verdict(
             decision.State.CORRECT,
