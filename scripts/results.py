@@ -69,8 +69,11 @@ def collect(out: Path, specs: list[str]) -> list[dict]:
                 row["problems"].append(f"unreadable JUnit report: {exc}")
             if root is not None:
                 suite = root if root.tag == "testsuite" else root.find("testsuite")
+                per_module: dict[str, float] = {}
                 for case in suite.iter("testcase"):
                     name = f"{case.get('classname', '')}::{case.get('name', '')}"
+                    module = case.get("file") or case.get("classname", "").rpartition(".")[0] or "?"
+                    per_module[module] = per_module.get(module, 0.0) + float(case.get("time") or 0)
                     if case.find("failure") is not None or case.find("error") is not None:
                         row["failed"] += 1
                         row["failures"].append(name)
@@ -80,6 +83,10 @@ def collect(out: Path, specs: list[str]) -> list[dict]:
                         row["skips"].append(f"{name}: {msg}")
                     else:
                         row["passed"] += 1
+                # Where the environment's time goes (JUnit's per-test seconds, fixtures included, summed per test
+                # module): the first place to look when the run nears its time budget.
+                row["slowest_modules"] = {m: round(t) for m, t in
+                                          sorted(per_module.items(), key=lambda kv: -kv[1])[:8]}
         else:
             row["problems"].append("pytest wrote no report (it crashed or was killed)")
         # pytest: 0 all passed, 1 tests failed; anything else (2 interrupted, 3 internal error, 4 usage, 5 no tests,
