@@ -16,7 +16,8 @@ transformers' ``MiniCPMV4_7Processor`` (stock: :data:`STOCK_V47`).
 
 * With the hotfix (every fix, ``auto``): equal for >= 40 seeded image sizes x both geometries, every per-request kwarg
   (``max_slice_nums``, ``slice_mode``, ``scale_resolution``, ``downsample_mode``, ``use_image_id``), model-level
-  kwargs, videos of 1 and 3 frames, two items per prompt, and items served from vLLM's processor cache.
+  kwargs, videos of 1 and 3 frames and two items per prompt (items served from vLLM's processor cache:
+  tests/fixes/test_video_image_id_cache.py).
 * Stock (the placeholder fixes off; only what a request needs to get that far -- ``processor_downsample_mode`` and
   ``hf_processor_version`` where their probes ask for them): :data:`STOCK` pins, per release, how each case of
   :data:`STOCK_CASES` differs (``pads``: another number of ``<|image_pad|>``/``<|video_pad|>`` -- the engine crashes
@@ -136,17 +137,6 @@ def test_several_items_and_numpy(m46, pairs, ckpt):
         assert_all_equal(pair, cases)
 
 
-def test_cached_items(m46, pairs):
-    """Items served from vLLM's processor cache get their index in the new prompt (images and videos)."""
-    pair = pairs("real", cache=True)
-    with timed("cache"), with_hotfix(m46):
-        got, want = cached_prompts(pair)
-        assert got == want, (summary(pair.tokenizer, got), summary(pair.tokenizer, want))
-        c, d = image(365, 211), image(449, 449)
-        vllm_ids(pair, "image", [c], {})
-        assert vllm_ids(pair, "image", [d, c], {}) == hf_ids(pair, "image", [d, c], {})
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Stock: the defects, as pinned per release
 # --------------------------------------------------------------------------------------------------------------------
@@ -155,7 +145,7 @@ def test_cached_items(m46, pairs):
 def _warmed_cache(m46, checkpoints, ckpt: str) -> Pair:
     """The "cached video" case's processor (and processor cache) of its own, filled as the case's stock outcome was
     measured: the two prompts of :func:`cached_prompts` run once with the hotfix (as
-    :func:`test_cached_items` runs them), so the stock run then finds both videos in the cache,
+    tests/fixes/test_video_image_id_cache.py runs them), so the stock run then finds both videos in the cache,
     each as the hotfix processed it. Its own, so the outcome does not depend on which tests ran before."""
     pair = make_pair(checkpoints[ckpt], {}, cache=True)
     with with_hotfix(m46):
