@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 from support.paths import REPO, TINY
 from support.placement import FULL_ENVS
+from support.programs import site_copy
 from vllm_minicpm_hotfix.cli import doctor, verify
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
@@ -81,9 +82,7 @@ class Setups:
         self._overlay: Path | None = None
         # An image's own sitecustomize (Debian/Ubuntu Pythons and many images ship one): after the bundle on
         # PYTHONPATH, so the bundle's sitecustomize runs first and must chain to it.
-        self.image_site = tmp / "image-site"
-        self.image_site.mkdir()
-        (self.image_site / "sitecustomize.py").write_text("import sys\nsys.image_sitecustomize_ran = True\n")
+        self.image_site = site_copy("image_site", tmp / "image-site")
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
