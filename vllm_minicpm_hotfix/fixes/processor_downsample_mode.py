@@ -125,6 +125,7 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
     from ._proxies import ModeInfoView
 
     sig = inspect.signature(original)
+    bind = _base.binder(original)
     first = next(iter(sig.parameters))
     has_mode_param = PARAM in sig.parameters
 
@@ -133,13 +134,15 @@ def wrap_compute_visual_tokens(original: Any) -> Any:
         if not _base.covers(sys.modules[__name__], self):
             return original(self, *args, **kwargs)
         try:
-            bound = sig.bind(self, *args, **kwargs)
+            arguments = bind(self, *args, **kwargs)
         except TypeError:
             return original(self, *args, **kwargs)
-        mode = _resolve_mode(self, bound.arguments.get(PARAM))
+        mode = _resolve_mode(self, arguments.get(PARAM))
         if has_mode_param:
-            bound.arguments[PARAM] = mode
-        bound.arguments[first] = ModeInfoView(self, mode)
+            arguments[PARAM] = mode
+        arguments[first] = ModeInfoView(self, mode)
+        # The call split into positional and keyword arguments as ``sig.bind(...)`` would give it.
+        bound = inspect.BoundArguments(sig, arguments)
         return original(*bound.args, **bound.kwargs)
 
     _compute_visual_tokens.__vllm_minicpm_hotfix_original__ = original
