@@ -34,6 +34,7 @@ import pytest
 from support.paths import REPO, TINY
 from support.placement import FULL_ENVS
 from support.programs import program, run_program, site_copy
+from support.venvs import site_packages
 from vllm_minicpm_hotfix.cli import doctor, verify
 
 pytestmark = pytest.mark.placed(*FULL_ENVS)
@@ -115,8 +116,7 @@ class Setups:
             subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True,
                            capture_output=True, timeout=120)
             py = venv / "bin" / "python"
-            site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                  check=True, capture_output=True, text=True).stdout.strip()
+            site = site_packages(py)
             Path(site, "_shared_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
             proc = subprocess.run([uv, "pip", "install", "-q", "--python", str(py), "--no-deps", str(self.src)],
                                   capture_output=True, text=True, timeout=600)
