@@ -42,11 +42,9 @@ def site_packages(python: str | os.PathLike = sys.executable) -> Path:
     """The purelib site-packages of ``python``'s environment."""
     if Path(python) == Path(sys.executable):
         return Path(sysconfig.get_paths()["purelib"])
-    out = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, timeout=60, check=True,
-    )
-    return Path(out.stdout.strip())
+    from support.programs import run_program
+
+    return Path(run_program("purelib", python=python, timeout=60).stdout.strip())
 
 
 def overlay_env(dest: Path, *, wrapt: bool = True, over: str | os.PathLike = sys.executable) -> Path:
