@@ -25,20 +25,13 @@ from support.video import WORKAROUND, data_url, write_video
 
 from support.venvs import LEAVE_OUT_SITE, clean_env
 from support.server import HEALTHY_WITHIN_S, post, serving
+from support.serving import SERVE_ARGS as SHARED_SERVE_ARGS, with_limits
 from vllm_minicpm_hotfix.fixes import video_loader
 
 pytestmark = pytest.mark.placed("0.24.0", "0.28.0")
 
-SERVE_ARGS = [
-    "--dtype", "bfloat16",  # the CPU GDN attention kernels require BF16
-    "--max-model-len", "1024",
-    "--enforce-eager",
-    "--gpu-memory-utilization", "0.1",  # CPU: the KV cache size comes from VLLM_CPU_KVCACHE_SPACE
-    "--limit-mm-per-prompt", '{"image": 1, "video": 1}',
-    "--max-num-seqs", "2",
-    "--mamba-ssm-cache-dtype", "float32",  # the tiny config names none; 0.28's CPU GDN kernel needs float32
-    "--no-enable-prefix-caching",
-]
+#: The shared serve arguments (tests/support/serving.py), with one image and one video per prompt.
+SERVE_ARGS = with_limits(SHARED_SERVE_ARGS, image=1, video=1)
 MAX_TOKENS = 6
 
 

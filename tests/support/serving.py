@@ -3,7 +3,9 @@ here."""
 
 from __future__ import annotations
 
+import json
 import re
+
 import pytest
 from support.hotfix import hotfix
 
@@ -43,6 +45,13 @@ def has_serve_flag(field: str) -> bool:
     spec = importlib.util.find_spec("vllm")
     root = Path(next(iter(spec.submodule_search_locations))) / "entrypoints"
     return any(f"{field}: bool" in f.read_text(errors="replace") for f in root.rglob("cli_args.py"))
+
+
+def with_limits(args: list[str], **limits: int) -> list[str]:
+    """A copy of the serve arguments ``args`` whose ``--limit-mm-per-prompt`` is ``limits`` (items per modality)."""
+    out = list(args)
+    out[out.index("--limit-mm-per-prompt") + 1] = json.dumps(limits)
+    return out
 
 
 # 0.32+ refuse per-request mm_processor_kwargs unless the operator trusts the clients; the requests here need them.
