@@ -5,7 +5,8 @@ bounded in time and stopped (its whole process group) after its test, also on fa
   image-processor ``TypeError`` in the API server; the ``k_proj`` load error where only the processor is fixed);
 * ``PYTHONPATH=<bundle>`` in an environment without wrapt and without the package installed: healthy, and an
   OpenAI chat completion (sent with the ``openai`` client) with a base64 image returns 200 with generated tokens;
-* the wheel pip-installed (no PYTHONPATH): the same;
+* the wheel pip-installed (no PYTHONPATH): the same, shown on the hotfix server of tests/e2e/test_video_serve.py
+  (``test_pip_installed_serves_images``; images and videos on), so that this release starts one server fewer;
 * in both, the q/k/v patch is logged (the process's one summary line, ``... pid N: patched ... qkv_loader ...``) by the process that loaded the weights -- vLLM's
   worker, found from its own ``(Worker pid=N) ... Loading weights took`` line -- not only by the API server.
 
@@ -15,7 +16,6 @@ this module out unless ``VLLM_MINICPM_HOTFIX_EVERYWHERE=1``. scripts/gpu-smoke.s
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -24,7 +24,8 @@ import pytest
 from support.hotfix_log import patched_pids, summaries
 from support.venvs import clean_env
 from support.programs import PROGRAMS, run_reporting
-from support.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, chat, chat_kwargs, serving
+from support.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, serving
+from support.serving import assert_patched_where_weights_loaded, chat_with_image
 
 E2E_RELEASES = ("0.28.0",)
 pytestmark = pytest.mark.placed(*E2E_RELEASES)
@@ -42,52 +43,7 @@ SERVE_ARGS = [
     "--mamba-ssm-cache-dtype", "float32",
 ]
 
-WEIGHTS_LOADED = re.compile(r"\((\w+) pid=(\d+)\)[^\n]*Loading weights took")
-API_SERVER = re.compile(r"\(APIServer pid=(\d+)\)")
 DOWNSAMPLE_TYPEERROR = "missing 1 required positional argument: 'downsample_mode'"
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# One server (tests/support/server.py)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def chat_with_image(server: Server):
-    """An OpenAI chat completion (the ``openai`` client) with a 64x64 PNG as a base64 data URL (greedy, 8 tokens);
-    returns the 200 ``ChatCompletion``."""
-    import openai
-    from PIL import Image
-
-    img = Image.new("RGB", (64, 64))
-    img.putdata([(4 * (i % 64), 4 * (i // 64), 128) for i in range(64 * 64)])
-    try:
-        return chat(server, **chat_kwargs(server, img))
-    except openai.APIError as exc:
-        raise AssertionError(f"{exc!r}: {getattr(exc, 'body', None)}; log tail:\n{server.log()[-6000:]}") from exc
-
-
-def assert_patched_where_weights_loaded(server: Server) -> dict:
-    """The process that loaded the weights logged the q/k/v patch with its own pid, and it is not the API server."""
-    log = server.log()
-    api = {int(p) for p in API_SERVER.findall(log)}
-    assert api == {server.proc.pid}, f"API server pid(s) in the log {api}, started {server.proc.pid}"
-    loaders = {(name, int(pid)) for name, pid in WEIGHTS_LOADED.findall(log)}
-    assert len(loaders) == 1, f"expected one 'Loading weights took' line, got {loaders}"
-    ((loader_name, loader_pid),) = loaders
-    qkv = [int(p) for p in patched_pids(log, "qkv_loader")]
-    processor = [int(p) for p in patched_pids(log, "processor_downsample_mode")]
-    assert loader_pid != server.proc.pid
-    assert loader_pid in qkv, f"no summary line of pid {loader_pid} ({loader_name}) naming qkv_loader; q/k/v patched in {qkv}"
-    assert len(qkv) == len(set(qkv)), f"patched twice in one process: {qkv}"
-    evidence = {
-        "api_server_pid": server.proc.pid,
-        "weights_loaded_by": f"{loader_name} pid={loader_pid}",
-        "qkv_patched_in": qkv,
-        "processor_patched_in": processor,
-        "lines": [ln[:220] for ln in log.splitlines() if "vllm-minicpm-hotfix:" in ln or "Loading weights took" in ln],
-    }
-    print(json.dumps(evidence, indent=1))
-    return evidence
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -153,15 +109,4 @@ def test_bundle_on_pythonpath_serves_images(bare_env, bundle_dir, tmp_path):
         evidence = assert_patched_where_weights_loaded(server)
     assert reply.usage.completion_tokens == 8
     assert reply.usage.prompt_tokens > 20  # the image's placeholder tokens are in the prompt
-    print(f"healthy after {healthy_after:.0f} s; reply {reply.choices[0].message.content!r}; {evidence}")
-
-
-def test_pip_installed_serves_images(pip_env, tmp_path):
-    with serving(pip_env, clean_env(PYTHONPATH=""), tmp_path, "pip", SERVE_ARGS) as server:
-        assert server.wait_healthy(HEALTHY_WITHIN_S), server.log()[-6000:]
-        healthy_after = time.monotonic() - server.started_at
-        reply = chat_with_image(server)
-        evidence = assert_patched_where_weights_loaded(server)
-    assert reply.usage.completion_tokens == 8
-    assert reply.usage.prompt_tokens > 20
     print(f"healthy after {healthy_after:.0f} s; reply {reply.choices[0].message.content!r}; {evidence}")

@@ -12,6 +12,10 @@ in both (stock vLLM does not start on these releases with transformers 5.24: tes
   answered -- the reference answer, computed without the fix's code path;
 * the whole hotfix: the default request is answered ``200`` with the reference answer (greedy tokens and prompt
   token count), and the API server's summary line names the fix, where the request is parsed.
+
+On 0.28.0 the hotfix server also shows tests/e2e/test_serve.py's pip-installed route (``test_pip_installed_serves_images``:
+an image chat answered, the q/k/v patch logged by the process that loaded the weights), so that release's run starts
+one server fewer.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from support.video import WORKAROUND, data_url, write_video
 
 from support.venvs import LEAVE_OUT_SITE, clean_env
 from support.server import HEALTHY_WITHIN_S, post, serving
-from support.serving import SERVE_ARGS as SHARED_SERVE_ARGS, with_limits
+from support.serving import SERVE_ARGS as SHARED_SERVE_ARGS
+from support.serving import assert_patched_where_weights_loaded, chat_with_image, with_limits
 from vllm_minicpm_hotfix.fixes import video_loader
 
 pytestmark = pytest.mark.placed("0.24.0", "0.28.0")
@@ -86,15 +91,33 @@ def test_without_the_fix_default_flags_fail_with_the_type_error(pip_env, tmp_pat
         assert summaries(log) and not patched_pids(log, video_loader.NAME), log[-6000:]
 
 
-def test_with_the_hotfix_default_flags_are_answered_as_with_the_workaround(pip_env, tmp_path, url):
-    with serving(pip_env, clean_env(), tmp_path, "hotfix", SERVE_ARGS) as server:
+@pytest.fixture(scope="module")
+def hotfix_server(pip_env, tmp_path_factory):
+    """The whole hotfix pip-installed (armed by its ``.pth``, no PYTHONPATH), healthy."""
+    with serving(pip_env, clean_env(), tmp_path_factory.mktemp("video-hotfix"), "hotfix", SERVE_ARGS) as server:
         assert server.wait_healthy(HEALTHY_WITHIN_S), server.log()[-6000:]
         print(f"\nhealthy after {time.monotonic() - server.started_at:.0f} s")
-        default = answered(server, video_body(server, url))
-        workaround = answered(server, video_body(server, url, WORKAROUND))
-        print(f"default flags: {default}\nwith the workaround: {workaround}\nleft-out server's: {REFERENCE}")
-        assert default == workaround
-        if "workaround" in REFERENCE:  # the other server, the same weights, greedy: the same answer
-            assert default == REFERENCE["workaround"]
-        patched = {int(p) for p in patched_pids(server.log(), video_loader.NAME)}
-        assert server.proc.pid in patched, f"{video_loader.NAME} patched in {patched}, API server {server.proc.pid}"
+        yield server
+
+
+def test_with_the_hotfix_default_flags_are_answered_as_with_the_workaround(hotfix_server, url):
+    server = hotfix_server
+    default = answered(server, video_body(server, url))
+    workaround = answered(server, video_body(server, url, WORKAROUND))
+    print(f"default flags: {default}\nwith the workaround: {workaround}\nleft-out server's: {REFERENCE}")
+    assert default == workaround
+    if "workaround" in REFERENCE:  # the other server, the same weights, greedy: the same answer
+        assert default == REFERENCE["workaround"]
+    patched = {int(p) for p in patched_pids(server.log(), video_loader.NAME)}
+    assert server.proc.pid in patched, f"{video_loader.NAME} patched in {patched}, API server {server.proc.pid}"
+
+
+@pytest.mark.placed("0.28.0")  # tests/e2e/test_serve.py's release (its routes' other servers run there)
+def test_pip_installed_serves_images(hotfix_server):
+    """The wheel pip-installed serves an image chat (8 greedy tokens, the image's placeholders in the prompt), and the
+    q/k/v patch is logged by the process that loaded the weights -- vLLM's worker, not the API server."""
+    reply = chat_with_image(hotfix_server)
+    evidence = assert_patched_where_weights_loaded(hotfix_server)
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.prompt_tokens > 20  # the image's placeholder tokens are in the prompt
+    print(f"reply {reply.choices[0].message.content!r}; {evidence}")

@@ -8,6 +8,7 @@ import re
 
 import pytest
 from support.hotfix import hotfix
+from support.hotfix_log import patched_pids
 
 
 
@@ -61,6 +62,7 @@ if has_serve_flag("trust_request_mm_kwargs"):
 SERVER_EXTRA_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 WEIGHTS_LOADED = re.compile(r"\((\w+) pid=(\d+)\)[^\n]*Loading weights took")
+API_SERVER = re.compile(r"\(APIServer pid=(\d+)\)")
 
 #: Fixes the guard server leaves out (see the module docstring): without them a stock-killing request is left for
 #: the guard to refuse.
@@ -98,3 +100,42 @@ def find_kill_request(m46, others: tuple[str, ...]) -> tuple[dict, int, int]:
                 return mm_kwargs, pads, rows
     pytest.fail(f"no candidate request disagrees here with the fixes {others} applied ({seen}): the guard has "
                 "nothing left to refuse on this release; add a candidate that still does")
+
+
+def chat_with_image(server):
+    """An OpenAI chat completion (the ``openai`` client) with a 64x64 PNG as a base64 data URL (greedy, 8 tokens);
+    returns the 200 ``ChatCompletion``."""
+    import openai
+    from PIL import Image
+    from support.server import chat, chat_kwargs
+
+    img = Image.new("RGB", (64, 64))
+    img.putdata([(4 * (i % 64), 4 * (i // 64), 128) for i in range(64 * 64)])
+    try:
+        return chat(server, **chat_kwargs(server, img))
+    except openai.APIError as exc:
+        raise AssertionError(f"{exc!r}: {getattr(exc, 'body', None)}; log tail:\n{server.log()[-6000:]}") from exc
+
+
+def assert_patched_where_weights_loaded(server) -> dict:
+    """The process that loaded the weights logged the q/k/v patch with its own pid, and it is not the API server."""
+    log = server.log()
+    api = {int(p) for p in API_SERVER.findall(log)}
+    assert api == {server.proc.pid}, f"API server pid(s) in the log {api}, started {server.proc.pid}"
+    loaders = {(name, int(pid)) for name, pid in WEIGHTS_LOADED.findall(log)}
+    assert len(loaders) == 1, f"expected one 'Loading weights took' line, got {loaders}"
+    ((loader_name, loader_pid),) = loaders
+    qkv = [int(p) for p in patched_pids(log, "qkv_loader")]
+    processor = [int(p) for p in patched_pids(log, "processor_downsample_mode")]
+    assert loader_pid != server.proc.pid
+    assert loader_pid in qkv, f"no summary line of pid {loader_pid} ({loader_name}) naming qkv_loader; q/k/v patched in {qkv}"
+    assert len(qkv) == len(set(qkv)), f"patched twice in one process: {qkv}"
+    evidence = {
+        "api_server_pid": server.proc.pid,
+        "weights_loaded_by": f"{loader_name} pid={loader_pid}",
+        "qkv_patched_in": qkv,
+        "processor_patched_in": processor,
+        "lines": [ln[:220] for ln in log.splitlines() if "vllm-minicpm-hotfix:" in ln or "Loading weights took" in ln],
+    }
+    print(json.dumps(evidence, indent=1))
+    return evidence
