@@ -202,24 +202,22 @@ def probe(module: ModuleType) -> Verdict:
     # backend, or the PIL one where torchvision is missing), as _mm_prompt.stand_in_hf_processor picks it. The PIL
     # module, which vLLM never imports where torchvision is installed, is then not imported by the probe either.
     try:
-        classes = next(([cls] for cls in transformers_image_processor_classes()), [])
+        ip_cls = next(transformers_image_processor_classes(), None)
     except Exception as exc:  # pragma: no cover - importlib itself failing
         return Verdict(decision.State.UNDETERMINED, f"transformers not inspectable: {exc!r}", applicable=False)
-    if not classes:
+    if ip_cls is None:
         return Verdict(
             decision.State.UNRECOGNISED,
             "the installed transformers has no MiniCPM-V 4.6 image processor (needs transformers >= 5.7)",
             applicable=False,
         )
-    taking = [(cls, kinds) for cls in classes if (kinds := takes_mode(cls))]
-    if not taking:
+    kinds = takes_mode(ip_cls)
+    if not kinds:
         return Verdict(
             decision.State.CORRECT,
-            f"not needed: transformers' {'/'.join(c.__name__ for c in classes)}.find_best_resize/get_refine_size "
-            f"take no {PARAM}",
+            f"not needed: transformers' {ip_cls.__name__}.find_best_resize/get_refine_size take no {PARAM}",
             applicable=False,
         )
-    ip_cls, kinds = taking[0]
     described = ", ".join(f"{ip_cls.__name__}.{m}({PARAM}: {k})" for m, k in kinds.items())
 
     try:
