@@ -180,7 +180,7 @@ def render_run(data: dict) -> str:
 
 
 #: The quantized layouts tests/fixes/test_quantized_vision.py and (bnb) test_unsupported_quant_method.py write and
-#: record (``support.observed``), in README's words.
+#: record (``support.observed``), and the AWQ engine run of tests/e2e/test_quantized_engine.py, in README's words.
 CHECKPOINTS = {
     "gptq": "GPTQ 4-bit language model, vision bf16",
     "gptq_list": "GPTQ with a module list in the config",
@@ -188,6 +188,7 @@ CHECKPOINTS = {
     "awq": "AWQ, skip list in transformers' names",
     "awq_unaligned": "AWQ whose vision sizes no 4-bit kernel takes",
     "bnb": "bitsandbytes NF4",
+    "awq_engine": "AWQ twin generating through vLLM's engine (tests/e2e/test_quantized_engine.py)",
 }
 
 
@@ -237,7 +238,7 @@ def render_verdicts(data: dict) -> str:
                  + " | ".join(pythons(r) for r in envs) + " |")
     seen = [key for key in CHECKPOINTS if any(key in (r.get("observed") or {}).get("checkpoints", {}) for r in envs)]
     if seen:
-        lines.append("| **quantized checkpoints** (tests/fixes/test_quantized_vision.py, test_unsupported_quant_method.py): stock vLLM "
+        lines.append("| **quantized checkpoints** (tests/fixes/test_quantized_vision.py, test_unsupported_quant_method.py, tests/e2e/test_quantized_engine.py): stock vLLM "
                      "&rarr; with the hotfix |"
                      + " |" * len(envs))
         for key in seen:
