@@ -9,7 +9,7 @@ import types
 
 import pytest
 from support.hotfix import hotfix
-from support.placement import FULL_ENVS
+from support.placement import FULL_ENVS, LOGIC_ENV
 from support.programs import run_reporting
 
 from vllm_minicpm_hotfix import decision, hook, record
@@ -192,6 +192,7 @@ def _unknown_rows(*modules: str) -> dict[str, dict]:
             for m in modules}
 
 
+@pytest.mark.placed(*LOGIC_ENV)  # record's own code on made-up statuses (all 65536 subsets: ~9 s of CPU)
 def test_summary_line_stays_short_for_any_set_of_fixes():
     """Every subset of the fixes, with the longest values a real process has: under 300 characters, one line,
     and parsed back to the same subset; with subclasses no family member owns at their longest as well (a module

@@ -12,6 +12,9 @@ EVERYWHERE_VAR = "VLLM_MINICPM_HOTFIX_EVERYWHERE"
 #: Where the modules that start many fresh interpreters (activation routes, the CLI, hostile environments, tensor
 #: parallel ranks) run: one release whose own q/k/v loading is broken and one where it is correct.
 FULL_ENVS = ("0.28.0", "0.32.0")
+#: Where tests of the package's own logic that reach no vLLM and no transformers code run (one environment is enough:
+#: the same code and the same inputs everywhere).
+LOGIC_ENV = ("0.30.0",)
 
 
 def vllm_release() -> str:
