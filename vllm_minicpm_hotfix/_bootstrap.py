@@ -25,8 +25,7 @@ raises.
 
 import sys
 
-#: Folder, next to the package, where a bundle keeps its pure-Python wrapt.
-VENDOR_DIR = "_vllm_minicpm_hotfix_vendor"
+from ._wrapt import VENDOR_DIR, ensure_wrapt
 #: The start-up module the ``.pth`` and ``sitecustomize.py`` import (top level, next to the package). Both may import
 #: nothing, so they spell the name themselves; tests/activation/test_names.py keeps them equal to this.
 ARM_MODULE = "_vllm_minicpm_hotfix_arm"
@@ -52,27 +51,13 @@ def disabled(environ=None):
     return mode_from_env(environ)[0] is Mode.OFF
 
 
-def _ensure_wrapt():
-    """Make ``import wrapt`` work: the installed wrapt if there is one, else a bundle's pure-Python copy."""
-    try:
-        import wrapt  # noqa: F401
-        return
-    except ImportError:
-        pass
-    import os
-
-    vendor = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), VENDOR_DIR)
-    if os.path.isdir(vendor) and vendor not in sys.path:
-        sys.path.append(vendor)
-
-
 def install_now(source="explicit"):
     """Register the post-import hook now (wrapt and the hook module are imported here). Returns True if this call
     registered it, False if it was already registered, switched off, or failed (logged). Never raises."""
     try:
         if disabled():
             return False
-        _ensure_wrapt()
+        ensure_wrapt()
         from . import hook
 
         done = hook.install()

@@ -45,11 +45,27 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> tuple[Mode, str |
     return Mode.AUTO, f"{ENV_VAR}={raw!r} is not one of auto, force, off; using auto"
 
 
+#: ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES=name[,name...]``: fixes left out (not probed, not applied) in every process
+#: that reads it, the rest applied as the mode says (the convention of OpenTelemetry's
+#: ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``).
+DISABLED_VAR = "VLLM_MINICPM_HOTFIX_DISABLED_FIXES"
+
+
+def disabled_from_env(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The fix NAMEs ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` lists (comma-separated, spaces and case ignored; empty
+    when unset). Names no fix has are kept: the hook reports them once."""
+    raw = (os.environ if environ is None else environ).get(DISABLED_VAR, "")
+    return frozenset(n.strip().lower() for n in raw.split(",") if n.strip())
+
+
 class State(str, enum.Enum):
     BROKEN = "broken"  #: the installed code misbehaves in the way the fix repairs
     CORRECT = "correct"  #: the installed code behaves correctly: the fix is not needed
     UNRECOGNISED = "unrecognised"  #: the classes / methods the fix targets are not there
     UNDETERMINED = "undetermined"  #: the probe itself could not run on this installation
+    #: a backport's verdict (:mod:`vllm_minicpm_hotfix.backports`): the architecture is not in the installed vLLM's
+    #: model registry and everything it needs is installed, so the backport registers it
+    MISSING = "missing"
 
 
 class Verdict(NamedTuple):
@@ -78,7 +94,8 @@ def decide(mode: Mode, verdict: Verdict) -> Decision:
 
     ``off``: never. Not applicable (``UNRECOGNISED``, or ``verdict.applicable`` false): never, ``force`` included --
     there the fix could only do nothing or harm. ``force``: wherever applicable. ``auto``: where the verdict is
-    ``BROKEN``; a verdict the probe could not reach (``UNDETERMINED``) leaves vLLM untouched.
+    ``BROKEN`` (a backport: ``MISSING``); a verdict the probe could not reach (``UNDETERMINED``) leaves vLLM
+    untouched.
     """
     if mode is Mode.OFF:
         return Decision(False, f"{ENV_VAR}=off")
@@ -91,6 +108,8 @@ def decide(mode: Mode, verdict: Verdict) -> Decision:
         return Decision(True, f"{ENV_VAR}=force (verdict: {verdict.state.value})")
     if verdict.state is State.BROKEN:
         return Decision(True, f"broken here: {verdict.reason}")
+    if verdict.state is State.MISSING:
+        return Decision(True, f"missing here: {verdict.reason}")
     if verdict.state is State.CORRECT:
         return Decision(False, f"not needed: {verdict.reason}" if not verdict.reason.startswith("not needed") else verdict.reason)
     return Decision(

@@ -74,15 +74,15 @@ def test_subclasses_keep_vllm_behaviour(m46):
     gets vLLM's own placeholder, fix applied or not (tests/registry/test_family.py covers every fix)."""
     from vllm.multimodal.parse import ImageSize
 
-    from vllm_minicpm_hotfix.fixes import _mm_prompt as mp
+    from vllm_minicpm_hotfix.fixes import _stand_ins
     from vllm_minicpm_hotfix.fixes._proxies import ModeDefaultingImageProcessor
 
     info_cls = getattr(m46, "MiniCPMV4_6ProcessingInfo")
     sub = type("SubInfo", (info_cls,), {})
-    native = mp.stand_in_hf_processor()
-    stand_in = mp.stand_in_info(sub, native, image_processor=ModeDefaultingImageProcessor(native.image_processor))
+    native = _stand_ins.hf_processor()
+    stand_in = _stand_ins.info(sub, native, image_processor=ModeDefaultingImageProcessor(native.image_processor))
     own = info_cls.get_slice_image_placeholder(stand_in, ImageSize(130, 82))
     with hotfix(m46, "force", fixes=("mm_placeholders",)):
         assert sub.get_slice_image_placeholder(stand_in, ImageSize(130, 82)) == own
-        fixed = info_cls.get_slice_image_placeholder(mp.stand_in_info(info_cls, native), ImageSize(130, 82))
+        fixed = info_cls.get_slice_image_placeholder(_stand_ins.info(info_cls, native), ImageSize(130, 82))
     assert fixed.count("<|image_pad|>") == 4  # transformers' count for 130x82 at scale 112 (vLLM 0.22-0.23: 6)

@@ -183,9 +183,7 @@ def make_processor(checkpoint: Path, **model_kwargs):
         # downsample_mode code this module tests. Give this one processor *instance* that fix's method (the class
         # stays vLLM's, so the stock-between-tests check and every stock verdict here are unaffected).
         info = proc.info
-        info.get_hf_processor = types.MethodType(
-            hf_processor_version.make_get_hf_processor(type(info).get_hf_processor), info
-        )
+        info.get_hf_processor = types.MethodType(hf_processor_version.get_hf_processor, info)
     return proc
 
 
@@ -355,7 +353,7 @@ def test_idempotent_and_revert(m46_mod, installed):
         assert info_method(m46_mod) is wrapper
         if fix.applied:
             assert again.why == "already patched in this process"
-            assert wrapper is not stock and wrapper.__vllm_minicpm_hotfix_original__ is stock
+            assert wrapper is not stock and wrapper.__wrapped__ is stock
         else:
             assert wrapper is stock
     assert info_method(m46_mod) is stock
@@ -365,13 +363,13 @@ def test_idempotent_and_revert(m46_mod, installed):
 def test_transactional(m46_mod, installed, monkeypatch):
     """A failure while patching leaves vLLM's class exactly as it was (where not applicable, nothing is attempted)."""
     stock = info_method(m46_mod)
-    real_set = _base._set
+    real_set = _base.patching._set
 
     def set_then_fail(cls, attr, value, undo):
         real_set(cls, attr, value, undo)
         raise RuntimeError("injected failure after setting")
 
-    monkeypatch.setattr(_base, "_set", set_then_fail)
+    monkeypatch.setattr(_base.patching, "_set", set_then_fail)
     with hotfix_mode_set("force"):
         if installed["tf_takes_mode"]:
             with pytest.raises(RuntimeError, match="injected"):

@@ -23,7 +23,7 @@ from support.vllm_build import build_vllm_model, load_checkpoint
 
 from vllm_minicpm_hotfix import decision, quant_layout
 from vllm_minicpm_hotfix.cli import quant_report
-from vllm_minicpm_hotfix.fixes import _deferred
+from vllm_minicpm_hotfix.fixes._base import MARKER_ATTR, deferred
 from vllm_minicpm_hotfix.fixes import quantized_vision as qv
 
 DTYPE = "bfloat16"  # GPTQ/AWQ take half/bfloat16 activations only
@@ -258,7 +258,7 @@ def test_probe_stock_and_patched(m46, monkeypatch):
     verdict = qv.probe(m46)
     assert verdict.state is decision.State.BROKEN, verdict
     assert "model.vision_tower" in verdict.reason
-    monkeypatch.setattr(_deferred, "EAGER", True)  # probed and applied at import, as doctor's re-probe needs
+    monkeypatch.setattr(deferred, "EAGER", True)  # probed and applied at import, as doctor's re-probe needs
     with hotfixed(m46, "force") as status:
         assert not status[qv.NAME].first_use and status[qv.NAME].applied, status
         assert qv.probe(m46).state is decision.State.CORRECT
@@ -274,18 +274,18 @@ def test_probe_deferred_to_first_use(m46):
     with hotfixed(m46) as status:
         entry = status[qv.NAME]
         assert (entry.verdict, entry.applied, entry.first_use) == ("deferred", False, True), entry
-        assert _deferred.is_trigger(vars(model_cls)["__init__"]) and _deferred.pending(qv.NAME)
+        assert deferred.is_trigger(vars(model_cls)["__init__"]) and deferred.pending(qv.NAME)
         assert vars(model_cls)["__init__"].__wrapped__ is stock_init
         assert qv.probe(m46).state is decision.State.BROKEN  # the trigger is not the fix
         assert not qv.uses_path(object(), vllm_config=type("C", (), {"quant_config": None})(), prefix="")
-        assert _deferred.resolve(qv.NAME) is entry and not _deferred.pending(qv.NAME)
+        assert deferred.resolve(qv.NAME) is entry and not deferred.pending(qv.NAME)
         assert (entry.verdict, entry.applied) == ("broken", True), entry
-        assert vars(model_cls)["__init__"].__wrapped__ is stock_init and not _deferred.is_trigger(vars(model_cls)["__init__"])
+        assert vars(model_cls)["__init__"].__wrapped__ is stock_init and not deferred.is_trigger(vars(model_cls)["__init__"])
         assert qv.probe(m46).state is decision.State.CORRECT
     assert vars(model_cls)["__init__"] is stock_init
     with hotfixed(m46):  # reverted before first use: nothing left pending
         pass
-    assert not _deferred.pending(qv.NAME) and vars(model_cls)["__init__"] is stock_init
+    assert not deferred.pending(qv.NAME) and vars(model_cls)["__init__"] is stock_init
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def test_gptq_loads_exact(m46, written, layout):
     lm_attn = type(model.language_model.model.layers[1].self_attn)
     lm_qkv = type(model.language_model.model.layers[1].self_attn.qkv_proj)
     for cls in (lm_attn, lm_qkv, type(model.language_model)):
-        assert not any(getattr(v, qv._base.MARKER_ATTR, None) for v in vars(cls).values()), cls
+        assert not any(getattr(v, MARKER_ATTR, None) for v in vars(cls).values()), cls
     observed("checkpoints", layout, hotfix="loads, exact")
 
 

@@ -101,7 +101,8 @@ def _undeclared(m46):
     does not declare: the "4.8" subclasses, and 4.7's where the fix does not declare 4.7."""
     from support import family_subclass
 
-    m47 = _base._import_member("vllm.model_executor.models.minicpmv4_7")
+    # 4.7's model module here: vLLM's own (0.32+) or the backport's (0.22-0.30)
+    m47 = getattr(_base.member_modules(m46).get("MiniCPM-V 4.7"), "__member_module__", None)
     out = []
     for fix in REGISTRY:
         for owner, attr in _class_targets(fix, m46):
@@ -185,9 +186,9 @@ def test_member_verdicts_are_pinned(m46, environment, monkeypatch):
     exactly for the declared members whose verdict is broken, and the patched member's re-probe answers correct."""
     from support import expected as table
 
-    from vllm_minicpm_hotfix.fixes import _deferred
+    from vllm_minicpm_hotfix.fixes._base import deferred
 
-    monkeypatch.setattr(_deferred, "EAGER", True)  # every fix probed at import: the pinned verdicts are stock's
+    monkeypatch.setattr(deferred, "EAGER", True)  # every fix probed at import: the pinned verdicts are stock's
     present = set(_base.member_modules(m46))
     pinned = {m: table.member_verdicts(m, environment) for m in table.MEMBER_VERDICTS}
     assert present - {"MiniCPM-V 4.6"} == {m for m, v in pinned.items() if v is not None}, (present, pinned)
@@ -278,12 +279,10 @@ def _vllm_canvas_model(config):
 def test_v47_mrope_positions_equal_transformers(m46, v47):
     """For the prompt the hotfix builds (equal to transformers'), vLLM's canvas ``get_mrope_input_positions`` -- fed
     the item's ``tgt_sizes`` as its engine feeds them -- equals transformers' ``MiniCPMV4_7Model.get_rope_index``,
-    position for position (``[T, H, W]``).
-
-    vLLM turns canvas M-RoPE on only when the config says ``uses_mrope_canvas`` or a ``mrope_mode`` containing
-    "canvas"; transformers' ``MiniCPMV4_7Config`` has neither field and its model always lays out the canvas. So a
-    checkpoint written by ``save_pretrained`` is served with sequential positions (pinned below: a defect of vLLM's,
-    outside what the hotfix changes); the comparison turns the canvas on as such a config field would."""
+    position for position (``[T, H, W]``), with the hotfix (``canvas_mrope``) as vLLM builds the model from this
+    checkpoint. Stock vLLM turns canvas M-RoPE on only when the config says ``uses_mrope_canvas`` or a ``mrope_mode``
+    containing "canvas"; transformers' ``MiniCPMV4_7Config`` has neither field and its model always lays out the
+    canvas, so stock serves this checkpoint with sequential positions (shown below, first)."""
     import types
 
     import torch
@@ -293,14 +292,11 @@ def test_v47_mrope_positions_equal_transformers(m46, v47):
     hf = pair.hf
     reference = MiniCPMV4_7ForConditionalGeneration.from_pretrained(str(v47)).model
     config = reference.config
-    model = _vllm_canvas_model(config)
-    assert model._uses_canvas_mrope is False  # as vLLM builds it from this checkpoint (see the docstring)
-    model._uses_canvas_mrope = True
-    model._canvas_special_ids = {"im_start_id": config.image_start_id, "im_end_id": config.image_end_id,
-                                 "slice_start_id": config.slice_start_id, "slice_end_id": config.slice_end_id,
-                                 "newline_id": config.newline_id}
+    assert _vllm_canvas_model(config)._uses_canvas_mrope is False  # stock, as vLLM builds it from this checkpoint
     misses = []
     with with_hotfix(m46):
+        model = _vllm_canvas_model(config)
+        assert model._uses_canvas_mrope is True
         for w, h, kw in MROPE_CASES:
             img = image(w, h)
             out = hf(text=[PROMPT.format(mm=hf.image_token)], images=[img], **kw)

@@ -7,7 +7,8 @@ A real request: vLLM's own multimodal processor for the bundled tiny checkpoint
 wrappers' code objects, found by walking each patched attribute's chain of values): nothing is wrapped or replaced
 to observe them. The reference is the installed vLLM's own call order; the written path must match it, and a
 wrapper entered during a request that the path does not name fails the test, so the path cannot fall behind the
-code. Cheap (no engine): every environment.
+code. A fix's wrapper is its behaviour (the function ``PATCHES`` names, which the framework's built function runs for
+the instances the fix covers). Cheap (no engine): every environment.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from support.paths import TINY
 from PIL import Image
 
 from vllm_minicpm_hotfix import record
+from vllm_minicpm_hotfix import fixes
 from vllm_minicpm_hotfix.fixes import REGISTRY, REQUEST_LOOKUPS, REQUEST_PATH, _base
 
 #: The attributes two fixes set, and the order they wrap in (registry order: the first wraps vLLM's own method).
@@ -56,7 +58,9 @@ def _wrapper_codes(m46) -> dict:
                 continue
             value = vars(found[0]).get(found[1]) if isinstance(found[0], type) else getattr(*found, None)
             for name, wrapper in _fix_values(value):
-                code = getattr(getattr(wrapper, "__func__", wrapper), "__code__", None)
+                behaviour = getattr(wrapper, _base.BEHAVIOUR_ATTR, wrapper)
+                behaviour = getattr(behaviour, "func", behaviour)  # a functools.partial's function
+                code = getattr(getattr(behaviour, "__func__", behaviour), "__code__", None)
                 if name is not None and code is not None:
                     codes.setdefault(code, (target, name))
     return codes
@@ -112,23 +116,23 @@ def test_a_request_enters_the_wrappers_in_the_written_order(m46, modality):
 
 
 def test_two_fixes_on_one_attribute_wrap_in_registry_order(m46):
-    """``_base.shared_targets`` (from the fixes' SETS) names exactly the chains written down; with every fix applied,
+    """``fixes.shared_targets`` (from the fixes' SETS) names exactly the chains written down; with every fix applied,
     each chain of values is the registry order (later fix outside) ending in vLLM's own method, and ``status()`` says
     which fix wraps which."""
-    assert _base.shared_targets() == CHAINS
+    assert fixes.shared_targets() == CHAINS
     stock = {t: getattr(*_base.resolve(m46, t)) for t in CHAINS}  # vLLM's own, inherited or not
     with hotfix(m46, "force", None):
-        fixes = record.current().fixes
+        statuses = record.current().fixes
         formed = 0
         for target, names in CHAINS.items():
             owner, attr = _base.resolve(m46, target)
             marks, innermost = _chain(vars(owner)[attr])
-            on = [n for n in names if fixes[n].applied]
+            on = [n for n in names if statuses[n].applied]
             assert marks == on[::-1], (target, marks, on)
             assert innermost is stock[target], target
             for inner, outer in zip(on, on[1:]):
-                assert fixes[outer].wraps == {target: inner}, (outer, fixes[outer].wraps)
+                assert statuses[outer].wraps == {target: inner}, (outer, statuses[outer].wraps)
                 formed += 1
             if len(on) == 1:
-                assert target not in fixes[on[0]].wraps
+                assert target not in statuses[on[0]].wraps
         assert formed >= 1, "no chain formed under force: the order is not shown here"

@@ -1,12 +1,12 @@
 """The fixes, one module each, and the one registry that drives them.
 
-Every module listed in :data:`REGISTRY` has the interface described in :mod:`vllm_minicpm_hotfix.fixes._base`:
-``NAME``, ``LABEL``, ``MODELS``, ``PATCHES`` (one line per target: ``"Class.attr"`` -> a factory of its new value)
-and ``probe(module)``; :func:`~._base.complete` derives each one's ``SETS`` (the targets) and ``apply(module)``
-(``_base.apply_patches``, which sets, marks, records and reverts for every fix) as the registry is built. The
-post-import hook runs them in this order, each guarded on its own; ``status()``, ``doctor``, ``verify``, the tests
-and the README release table iterate over the same tuple. Adding a fix is adding a module, a line here and its test
-file (docs/how-it-works.md, "The shape of a fix").
+Every module listed in :data:`REGISTRY` has the shape described in :mod:`vllm_minicpm_hotfix.fixes._base`:
+``NAME``, ``LABEL``, ``MODELS``, optionally ``AFTER`` (the fixes it must come after), ``PATCHES`` (one line per
+target: ``"Class.attr"`` -> its behaviour, ``_base.wrap`` / ``replace`` / ``attribute``) and ``probe(module)``;
+:func:`~._base.complete` derives each one's ``SETS`` (the targets) and ``apply(module)`` as the registry is built.
+The post-import hook runs them in this order, each guarded on its own; ``status()``, ``doctor``, ``verify``, the
+tests and the README release table iterate over the same tuple. Adding a fix is adding a module, a line here and its
+test file (docs/how-it-works.md, "The shape of a fix").
 
 Importing this package imports the fix modules, but none of them imports vLLM, torch or transformers at import time.
 
@@ -42,7 +42,7 @@ Two look-ups are called from several of these steps, wherever one first needs th
 Where vLLM's processor cache holds an item, ``_merge_mm_kwargs`` (placeholder_guard: checks the items it does not
 hold, before it records them) and ``_recompute_cached_prompt_update`` (video_image_id_cache) come in; in the engine,
 ``ForConditionalGeneration.embed_multimodal`` (encoder_modes: each item's downsample mode). Two fixes on one
-attribute (``_base.shared_targets``) wrap in registry order, the later outside: ``encoder_modes`` over
+attribute (:func:`shared_targets`) wrap in registry order, the later outside: ``encoder_modes`` over
 ``mm_placeholders`` on ``process_mm_inputs``, ``qkv_completeness_guard`` over ``qkv_loader`` on ``load_weights``;
 ``status()`` names them (``wraps``), and so does ``doctor``.
 """
@@ -53,6 +53,7 @@ from types import ModuleType
 
 from . import _base
 from . import (
+    canvas_mrope,
     encoder_modes,
     hf_processor_version,
     lora_support,
@@ -74,7 +75,7 @@ from . import (
 #: The fixes, in the order the post-import hook applies them.
 REGISTRY: tuple[ModuleType, ...] = (
     qkv_loader,
-    qkv_completeness_guard,  # after qkv_loader: its probe reads whether the loader (which checks completeness too) is applied
+    qkv_completeness_guard,
     processor_downsample_mode,
     hf_processor_version,
     mm_placeholders,
@@ -82,13 +83,14 @@ REGISTRY: tuple[ModuleType, ...] = (
     encoder_modes,
     video_tower,
     video_budget,
+    canvas_mrope,
     video_loader,
     placeholder_guard,
-    request_kwargs,  # after the prompt fixes: its budget reads transformers' sizing as they leave it
+    request_kwargs,
     quantized_vision,
     unsupported_quant_method,
     lora_support,
-    lora_tower,  # after lora_support: the adapters it refuses are loaded by the LoRA it declares
+    lora_tower,
 )
 for _fix in REGISTRY:
     _base.complete(_fix)
@@ -128,4 +130,17 @@ def names() -> list[str]:
     return [fix.NAME for fix in REGISTRY]
 
 
-__all__ = ["REGISTRY", "REQUEST_LOOKUPS", "REQUEST_PATH", "by_name", "names"]
+def out_of_order(registry: tuple[ModuleType, ...] = REGISTRY) -> list[str]:
+    """Each way ``registry`` breaks a fix's ``AFTER`` (a fix it must come after listed later, or not at all); empty
+    when the order is right."""
+    position = {fix.NAME: i for i, fix in enumerate(registry)}
+    return [f"{fix.NAME} must come after {before}" for i, fix in enumerate(registry)
+            for before in getattr(fix, "AFTER", ()) if position.get(before, len(registry)) > i]
+
+
+def shared_targets() -> dict[str, tuple[str, ...]]:
+    """The targets two or more fixes set, with their NAMEs in the order they wrap (``_base.shared_targets``)."""
+    return _base.shared_targets(REGISTRY)
+
+
+__all__ = ["REGISTRY", "REQUEST_LOOKUPS", "REQUEST_PATH", "by_name", "names", "out_of_order", "shared_targets"]

@@ -1,7 +1,5 @@
-"""Transformers' own placeholder text for a MiniCPM-V 4.6 image or video, for vLLM's multimodal processor.
-
-Shared by the prompt fixes (:mod:`.mm_placeholders`, :mod:`.video_image_id_cache`, :mod:`.hf_processor_version`).
-Nothing here imports vLLM, torch or transformers at import time.
+"""The request state and transformers' own placeholder text for a MiniCPM-V 4.6 image or video, which the prompt
+fixes read (no wrappers: those are the fixes'). Nothing here imports vLLM, torch or transformers at import time.
 
 The reference
 -------------
@@ -11,35 +9,32 @@ per image, ``[0, 0]`` when unsliced), ``num_patches_per_image`` and ``target_siz
 source first, then the slices row by row); ``replace_image_token`` turns them into
 ``<image>PAD*n</image><slice>PAD*m</slice>...\\n...`` (rows separated by ``\\n``); ``__call__`` prepends
 ``<image_id>i</image_id>`` when ``use_image_id``. Videos: ``_process_videos`` / ``replace_video_token`` the same per
-frame, with ``<|video_pad|>``. The token divisor is 4 in ``"4x"`` mode, else 16.
-
-:func:`slice_target_sizes` computes what the image processor would return for one image of ``(height, width)``
-pixels without resizing anything: it calls the installed image processor's own ``get_sliced_grid``,
-``find_best_resize`` and ``get_refine_size`` (with ``downsample_mode`` where the installed signature takes it) in the
-order ``MiniCPMV4_6ImageProcessor._preprocess`` does (transformers 5.7-5.24). :func:`image_text` /
-:func:`video_text` then hand those to the installed processor's own ``replace_image_token`` /
-``replace_video_token`` (transformers >= 5.17); for a processor without them the rows are laid out from
-``grid[0]`` = rows, ``grid[1]`` = cols, as transformers does.
+frame, with ``<|video_pad|>``. The token divisor is 4 in ``"4x"`` mode, else 16. :func:`slice_target_sizes`
+computes what the image processor would return for one image of ``(height, width)`` pixels without resizing
+anything: it calls the installed image processor's own ``get_sliced_grid``, ``find_best_resize`` and
+``get_refine_size`` (with ``downsample_mode`` where the installed signature takes it) in the order
+``MiniCPMV4_6ImageProcessor._preprocess`` does (transformers 5.7-5.24). :func:`image_text` / :func:`video_text` then
+hand those to the installed processor's own ``replace_image_token`` / ``replace_video_token`` (transformers >= 5.17);
+for a processor without them the rows are laid out from ``grid[0]`` = rows, ``grid[1]`` = cols, as transformers does.
 
 The request
 -----------
 vLLM hands a request's ``mm_processor_kwargs`` (``hf_processor_mm_kwargs``) and its items to
 ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)`` (every
-release 0.22-0.33), whose replacement callables vLLM resolves per item right after. :func:`wrap_get_prompt_updates`
-wraps those callables so that each runs with the request in :data:`REQUEST` (a :class:`contextvars.ContextVar`, so
-concurrent requests in threads or tasks never see each other's); the text producers read it with :func:`current`.
+release 0.22-0.33), whose replacement callables vLLM resolves per item right after; ``mm_placeholders`` runs each
+with the request in :data:`REQUEST` (a :class:`contextvars.ContextVar`, so concurrent requests in threads or tasks
+never see each other's), and the text producers read it with :func:`current`.
 """
 
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from . import _base
+from ._base import WeakMemo
 
 #: The processor kwargs that decide an item's placeholder (transformers' ``MiniCPMV4_6ImageProcessorKwargs``) and
 #: transformers' class defaults for them.
@@ -86,71 +81,6 @@ def current() -> Request | None:
     return REQUEST.get()
 
 
-def _run_in_request(fn: Callable[..., Any], request: Request) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def in_request(*args: Any, **kwargs: Any) -> Any:
-        token = REQUEST.set(request)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            REQUEST.reset(token)
-
-    return in_request
-
-
-def wrap_get_prompt_updates(original: Callable[..., Any], fix: Any) -> Callable[..., Any]:
-    """Wrap ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(self, mm_items, hf_processor_mm_kwargs,
-    out_mm_kwargs) -> Sequence[PromptUpdate]``: vLLM's own updates, each callable ``replacement`` wrapped so that it
-    runs with :data:`REQUEST` set to this call's items and kwargs. Instances of a class ``fix`` (the fix module) does
-    not cover (:func:`._base.covers`) get vLLM's result unchanged. Raises what the original raises."""
-    bind = _base.binder(original)
-
-    @functools.wraps(original)
-    def _get_prompt_updates(self: Any, *args: Any, **kwargs: Any) -> Any:
-        updates = original(self, *args, **kwargs)
-        if not _base.covers(fix, self):
-            return updates
-        try:
-            bound = bind(self, *args, **kwargs)
-        except TypeError:
-            return updates
-        request = Request(bound.get("mm_items"), dict(bound.get("hf_processor_mm_kwargs") or {}))
-        out = []
-        for update in updates:
-            replacement = getattr(update, "replacement", None)
-            if callable(replacement) and dataclasses.is_dataclass(update):
-                update = dataclasses.replace(update, replacement=_run_in_request(replacement, request))
-            out.append(update)
-        return type(updates)(out) if isinstance(updates, (list, tuple)) else out
-
-    _get_prompt_updates.__vllm_minicpm_hotfix_original__ = original
-    return _get_prompt_updates
-
-
-def wrap_process_mm_inputs(original: Callable[..., Any], fix: Any) -> Callable[..., Any]:
-    """Wrap ``MiniCPMVMultiModalProcessor.process_mm_inputs(self, mm_data, mm_kwargs[, tok_kwargs])`` (where vLLM
-    turns a request's images and videos into tensors, every release 0.22-0.33) so that it runs with
-    :data:`PROCESSING` set to the request's ``mm_kwargs``. Instances ``fix`` does not cover run vLLM's own."""
-    bind = _base.binder(original)
-
-    @functools.wraps(original)
-    def process_mm_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _base.covers(fix, self):
-            return original(self, *args, **kwargs)
-        try:
-            mm_kwargs = bind(self, *args, **kwargs).get("mm_kwargs")
-        except TypeError:
-            mm_kwargs = None
-        token = PROCESSING.set(dict(mm_kwargs or {}))
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            PROCESSING.reset(token)
-
-    process_mm_inputs.__vllm_minicpm_hotfix_original__ = original
-    return process_mm_inputs
-
-
 def request_max_slice_nums() -> int | None:
     """The current request's own ``max_slice_nums`` (while its tensors or its prompt updates are made), else None."""
     kwargs = PROCESSING.get()
@@ -159,23 +89,6 @@ def request_max_slice_nums() -> int | None:
         kwargs = request.kwargs if request is not None else None
     value = (kwargs or {}).get("max_slice_nums")
     return int(value) if value is not None else None
-
-
-def wrap_get_video_max_slice_num(original: Callable[..., Any], fix: Any) -> Callable[..., Any]:
-    """Wrap ``MiniCPMV4_6ProcessingInfo.get_video_max_slice_num(self) -> int`` (the slice limit vLLM hands the image
-    processor for every video frame, and counts with): the request's own ``max_slice_nums`` while one is being
-    processed -- as transformers' video processor honours it -- else vLLM's (the video processor's)."""
-
-    @functools.wraps(original)
-    def get_video_max_slice_num(self: Any, *args: Any, **kwargs: Any) -> int:
-        if _base.covers(fix, self):
-            requested = request_max_slice_nums()
-            if requested is not None:
-                return requested
-        return original(self, *args, **kwargs)
-
-    get_video_max_slice_num.__vllm_minicpm_hotfix_original__ = original
-    return get_video_max_slice_num
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -356,7 +269,7 @@ def _rows_text(hf: Any, pad: str, source: int, grid: Sequence[int], per_slice: S
 #: Texts :func:`image_text` / :func:`video_text` built, per (function, transformers' processor, its image processor,
 #: the sizes, the effective kwargs, the index): a pure function of these (the processors' own sizing methods and
 #: tokens, which vLLM builds once per model and never changes), and a server sees the same few sizes over and over.
-_TEXTS = _base.WeakMemo()
+_TEXTS = WeakMemo()
 
 
 def _memo_text(build: Callable[..., str]) -> Callable[..., str]:
@@ -434,116 +347,3 @@ def video_text(
             pos += n
             text += _rows_text(hf_processor, pad, counts[0], grid, [counts[1]] * (n - 1) if n > 1 else [], sliced)
     return (local_id(hf_processor, idx, "video_token") if eff["use_image_id"] else "") + text
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Stand-ins for the probes: transformers' real processor classes with a tiny in-memory tokenizer, vLLM's real
-# ProcessingInfo / MultiModalProcessor classes created without __init__ (no model, config or files needed).
-# --------------------------------------------------------------------------------------------------------------------
-
-#: The probes' geometry: patch 14 (the real checkpoint's) and a small ``scale_resolution`` so that every probe image
-#: is tiny (the defects show at any scale; the tests sweep the real 448 as well).
-PROBE_GEOMETRY = {"patch_size": 14, "scale_resolution": 112, "max_slice_nums": 9}
-
-
-@functools.lru_cache(maxsize=1)
-def stand_in_tokenizer() -> Any:
-    """A character-level ``tokenizers`` tokenizer in a transformers fast-tokenizer class, with MiniCPM-V 4.6's
-    special tokens (:data:`TOKENS`) as single ids and named as transformers' ``MiniCPMV4_6Processor`` reads them.
-    ``decode(encode(text)) == text`` for printable ASCII, newlines and the special tokens."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = [*TOKENS.values(), "<unk>", "<pad>"]
-    vocab = {s: i for i, s in enumerate(specials)}
-    for c in [chr(i) for i in range(32, 127)] + ["\n"]:
-        vocab.setdefault(c, len(vocab))
-    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", extra_special_tokens=dict(TOKENS)
-    )
-
-
-def stand_in_hf_processor(**kwargs: Any) -> Any:
-    """A transformers ``MiniCPMV4_6Processor`` over real image and video processors built with
-    :data:`PROBE_GEOMETRY` and ``kwargs`` and the :func:`stand_in_tokenizer`.
-
-    Created without ``ProcessorMixin.__init__`` (whose argument check imports every tokenizer backend, mistral_common
-    included: seconds in a fresh process); the attributes are set as ``MiniCPMV4_6Processor.__init__`` sets them
-    (transformers 5.7-5.24). Raises ImportError where transformers has no MiniCPM-V 4.6."""
-    from transformers.models.minicpmv4_6 import processing_minicpmv4_6 as processing
-
-    try:
-        from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor as IP
-    except Exception:  # no torchvision backend: the PIL one
-        from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import (
-            MiniCPMV4_6ImageProcessorPil as IP,
-        )
-    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor as VP
-
-    settings = {**PROBE_GEOMETRY, **kwargs}
-    ip, vp, tok = IP(**settings), VP(**settings), stand_in_tokenizer()
-    cls = processing.MiniCPMV4_6Processor
-    proc = cls.__new__(cls)
-    proc.image_processor, proc.video_processor, proc.tokenizer = ip, vp, tok
-    proc.slice_mode = ip.slice_mode
-    proc.video_slice_mode = vp.slice_mode
-    proc.default_use_image_id = ip.use_image_id
-    proc.image_token_divisor = divisor(ip.downsample_mode)
-    proc.video_token_divisor = divisor(vp.downsample_mode)
-    for name in TOKENS:
-        setattr(proc, name, getattr(tok, name))
-    proc.image_token_id = tok.convert_tokens_to_ids(tok.image_token)
-    proc.video_token_id = tok.convert_tokens_to_ids(tok.video_token)
-    return proc
-
-
-class _StandInCtx:
-    """vLLM's ``InputProcessingContext`` as far as the 4.6 processor uses it, over a fixed transformers processor."""
-
-    def __init__(self, hf_processor: Any) -> None:
-        self.hf_processor = hf_processor
-        self.tokenizer = hf_processor.tokenizer
-
-    def get_hf_processor(self, *args: Any, **kwargs: Any) -> Any:
-        return self.hf_processor
-
-    def get_merged_mm_kwargs(self, kwargs: Mapping[str, object], **_: Any) -> dict[str, object]:
-        return dict(kwargs)
-
-
-def stand_in_info(info_cls: type, hf_processor: Any, *, image_processor: Any = None) -> Any:
-    """An instance of vLLM's ``MiniCPMV4_6ProcessingInfo`` created without ``__init__`` whose context, tokenizer and
-    hf config are stand-ins over ``hf_processor``. ``image_processor`` (default ``hf_processor.image_processor``) is
-    what its ``get_image_processor()`` returns."""
-    from types import SimpleNamespace
-
-    info = info_cls.__new__(info_cls)
-    ctx = _StandInCtx(hf_processor)
-    ip = hf_processor.image_processor if image_processor is None else image_processor
-    config = SimpleNamespace(
-        text_config=SimpleNamespace(hidden_size=64), hidden_size=64, insert_layer_id=1, slice_config=None,
-        max_slice_nums=PROBE_GEOMETRY["max_slice_nums"], image_size=PROBE_GEOMETRY["scale_resolution"],
-    )
-    info.__dict__.update(
-        ctx=ctx,
-        get_tokenizer=lambda: ctx.tokenizer,
-        get_hf_config=lambda: config,
-        get_image_processor=lambda **kwargs: ip,
-        # vLLM 0.32+: merges the model-level and request kwargs and routes flat keys into each modality's scope.
-        _merge_and_resolve_mm_processor_kwargs=lambda kwargs: {
-            **kwargs, "images_kwargs": dict(kwargs), "videos_kwargs": dict(kwargs),
-        },
-    )
-    return info
-
-
-def stand_in_processor(proc_cls: type, info: Any) -> Any:
-    """An instance of vLLM's ``MiniCPMV4_6MultiModalProcessor`` created without ``__init__`` over ``info``."""
-    proc = proc_cls.__new__(proc_cls)
-    proc.__dict__.update(info=info, cache=None)
-    return proc

@@ -5,7 +5,7 @@ go to it) except for the attributes its docstring names; its own state is kept i
 requires. They are built per call and never shared.
 
 This module imports wrapt at import time (the installed one, else a bundle's pure-Python copy, as
-:func:`vllm_minicpm_hotfix._bootstrap._ensure_wrapt` picks it for the hook), so the fix modules import it only where
+:func:`vllm_minicpm_hotfix._wrapt.ensure_wrapt` picks it for the hook), so the fix modules import it only where
 they build a proxy: importing the fixes package (``doctor`` and ``verify`` do, in environments without wrapt) needs no
 wrapt. Nothing here imports vLLM, torch or transformers.
 """
@@ -18,9 +18,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .._bootstrap import _ensure_wrapt
+from .._wrapt import ensure_wrapt
 
-_ensure_wrapt()
+ensure_wrapt()
 
 import wrapt  # noqa: E402
 
@@ -30,22 +30,29 @@ PARAM = "downsample_mode"
 _OWN_MODE: Any = object()
 
 
+@functools.lru_cache(maxsize=64)
+def _mode_slot(function: Callable[..., Any], skip: int) -> tuple[bool, int | None]:
+    """For ``function`` called with its first ``skip`` parameters already given (a bound method's ``self``): whether
+    it takes ``downsample_mode``, and the position of that parameter among the arguments after those (None where it
+    can only be passed by keyword). Computed once per function (transformers' two sizing methods)."""
+    try:
+        params = list(inspect.signature(function).parameters.values())[skip:]
+    except (TypeError, ValueError):
+        return False, None
+    for i, p in enumerate(params):
+        if p.name == PARAM:
+            return True, (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None)
+    return False, None
+
+
 def _with_mode(method: Callable[..., Any], mode: Any, args: tuple, kwargs: dict) -> Any:
-    """Call ``method(*args, **kwargs)``, adding ``downsample_mode=mode`` if ``method``'s signature takes it and the
-    arguments do not bind it. Arguments that do not bind are passed through unchanged, so the error is the method's
-    own. Returns what ``method`` returns."""
-    if PARAM not in kwargs:
-        try:
-            sig = inspect.signature(method)
-        except (TypeError, ValueError):
-            sig = None
-        if sig is not None and PARAM in sig.parameters:
-            try:
-                bound = sig.bind_partial(*args, **kwargs)
-            except TypeError:
-                bound = None
-            if bound is not None and PARAM not in bound.arguments:
-                kwargs = {**kwargs, PARAM: mode}
+    """Call ``method(*args, **kwargs)`` (a bound method), adding ``downsample_mode=mode`` if ``method``'s signature
+    takes it and the arguments do not pass it. Arguments that do not bind are passed through, so the error is the
+    method's own. Returns what ``method`` returns."""
+    function = getattr(method, "__func__", None)
+    takes, index = _mode_slot(method, 0) if function is None else _mode_slot(function, 1)
+    if takes and PARAM not in kwargs and (index is None or len(args) <= index):
+        kwargs = {**kwargs, PARAM: mode}
     return method(*args, **kwargs)
 
 

@@ -16,8 +16,11 @@ processor then sizes the item's placeholder for that mode and records it per ima
   same way.
 
 vLLM 0.32 fixed both (``_process_vision_input`` groups items by flag; ``process_videos`` emits a per-video
-``video_use_vit_merger`` declared ``MultiModalFieldConfig.batched("video")``). This fix does the same on the releases
-that need it, without copying vLLM's body:
+``video_use_vit_merger`` declared ``MultiModalFieldConfig.batched("video")``).
+
+What the fix does
+-----------------
+The same on the releases that need it, without copying vLLM's body:
 
 * ``MiniCPMV4_6MultiModalProcessor.process_mm_inputs`` (vLLM's ``MiniCPMVMultiModalProcessor`` method that returns
   ``{**process_images(...), **process_videos(...)}``; wrapped there rather than on ``process_videos``, which the
@@ -46,13 +49,10 @@ that returns, per slice, as many rows as the mode it is asked for gives):
 stand-in cannot be run, ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever they are
 (on a vLLM that already groups, the wrapper's groups are what vLLM would form itself).
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
-:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
 
-import sys
 import functools
 import inspect
 import types
@@ -61,18 +61,13 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
+from ._base import INFO_CLASS, MODEL_CLASS, PROCESSOR_CLASS, V46, V47, Call, wrap
 
 NAME = "encoder_modes"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "per-item downsample mode in the vision encoder (mixed 4x/16x batches, 4x videos)"
-MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
-PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
-PATCHES = {
-    f"{MODEL_CLASS}.embed_multimodal": lambda old, _: wrap_embed_multimodal(old),
-    f"{PROCESSOR_CLASS}.process_mm_inputs": lambda old, _: wrap_process_mm_inputs(old),
-    f"{PROCESSOR_CLASS}._get_mm_fields_config": lambda old, _: wrap_get_mm_fields_config(old),
-}
+MODELS = (V46, V47)
+#: Two fixes on ``process_mm_inputs``: this one wraps outside ``mm_placeholders``'s.
+AFTER = ("mm_placeholders",)
 
 IMAGE_FLAG = "use_vit_merger"
 VIDEO_FLAG = "video_use_vit_merger"
@@ -127,69 +122,60 @@ def _groups(flags: list[bool]) -> list[tuple[bool, list[int]]]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def wrap_embed_multimodal(original: Any) -> Any:
-    """Wrap ``MiniCPMV4_6ForConditionalGeneration.embed_multimodal(**kwargs) -> MultiModalEmbeddings``.
+def embed_multimodal(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``MiniCPMV4_6ForConditionalGeneration.embed_multimodal(**kwargs) -> MultiModalEmbeddings``: one
+    ``(tokens, hidden)`` tensor per item, images first then videos (vLLM's order); each item encoded in its own mode.
+    Raises what vLLM's method raises."""
+    image_flag_value = kwargs.get(IMAGE_FLAG)
+    video_flag_value = kwargs.get(VIDEO_FLAG)
+    image_kw = {k: kwargs[k] for k in IMAGE_KEYS if kwargs.get(k) is not None}
+    video_kw = {k: v for k, v in kwargs.items() if k.startswith(VIDEO_PREFIX) and k != VIDEO_FLAG}
+    other = {k: v for k, v in kwargs.items()
+             if k not in image_kw and k not in video_kw and k not in (IMAGE_FLAG, VIDEO_FLAG)}
 
-    Returns one ``(tokens, hidden)`` tensor per item, images first then videos (vLLM's order); each item encoded in
-    its own mode. Raises what vLLM's method raises.
-    """
+    n_images = _num_items(image_kw["pixel_values"]) if "pixel_values" in image_kw else 0
+    n_videos = (_num_items(video_kw["video_pixel_values"])
+                if video_kw.get("video_pixel_values") is not None else 0)
+    image_flags = item_flags(image_flag_value, n_images) if n_images else None
+    video_flags = item_flags(video_flag_value, n_videos) if n_videos else None
+    split_images = image_flags is not None and len(set(image_flags)) > 1
+    if not split_images and video_flags is None:
+        return wrapped(**kwargs)  # nothing per item to honour: vLLM's own behaviour
 
-    @functools.wraps(original)
-    def embed_multimodal(self: Any, **kwargs: Any) -> Any:
-        if not _base.covers(sys.modules[__name__], self):
-            return original(self, **kwargs)
-        image_flag_value = kwargs.get(IMAGE_FLAG)
-        video_flag_value = kwargs.get(VIDEO_FLAG)
-        image_kw = {k: kwargs[k] for k in IMAGE_KEYS if kwargs.get(k) is not None}
-        video_kw = {k: v for k, v in kwargs.items() if k.startswith(VIDEO_PREFIX) and k != VIDEO_FLAG}
-        other = {k: v for k, v in kwargs.items()
-                 if k not in image_kw and k not in video_kw and k not in (IMAGE_FLAG, VIDEO_FLAG)}
-
-        n_images = _num_items(image_kw["pixel_values"]) if "pixel_values" in image_kw else 0
-        n_videos = (_num_items(video_kw["video_pixel_values"])
-                    if video_kw.get("video_pixel_values") is not None else 0)
-        image_flags = item_flags(image_flag_value, n_images) if n_images else None
-        video_flags = item_flags(video_flag_value, n_videos) if n_videos else None
-        split_images = image_flags is not None and len(set(image_flags)) > 1
-        if not split_images and video_flags is None:
-            return original(self, **kwargs)  # nothing per item to honour: vLLM's own behaviour
-
-        out: list[Any] = []
-        if image_kw:
-            if split_images:
-                by_index: dict[int, Any] = {}
-                for _flag, idx in _groups(image_flags):
-                    part = {k: _take(v, idx) for k, v in image_kw.items()}
-                    part[IMAGE_FLAG] = _take(image_flag_value, idx)
-                    for i, emb in zip(idx, original(self, **other, **part)):
-                        by_index[i] = emb
-                out.extend(by_index[i] for i in range(n_images))
-            else:
-                part = dict(image_kw)
-                if image_flag_value is not None:
-                    part[IMAGE_FLAG] = image_flag_value
-                out.extend(original(self, **other, **part))
-        if video_kw:
-            if video_flags is None:
-                # vLLM's own rule for videos without a flag: the images' flag of this batch, else the config's mode.
-                part = dict(video_kw)
-                if image_flag_value is not None:
-                    part[IMAGE_FLAG] = image_flag_value
-                out.extend(original(self, **other, **part))
-            else:
-                by_index = {}
-                for _flag, idx in _groups(video_flags):
-                    part = {k: _take(v, idx) for k, v in video_kw.items()}
-                    flags = _take(video_flag_value, idx)
-                    # <= 0.31 encodes videos with the images' flag; 0.32+ reads the video flag: give both.
-                    part[IMAGE_FLAG] = flags
-                    part[VIDEO_FLAG] = flags
-                    for i, emb in zip(idx, original(self, **other, **part)):
-                        by_index[i] = emb
-                out.extend(by_index[i] for i in range(n_videos))
-        return tuple(out)
-
-    return embed_multimodal
+    out: list[Any] = []
+    if image_kw:
+        if split_images:
+            by_index: dict[int, Any] = {}
+            for _flag, idx in _groups(image_flags):
+                part = {k: _take(v, idx) for k, v in image_kw.items()}
+                part[IMAGE_FLAG] = _take(image_flag_value, idx)
+                for i, emb in zip(idx, wrapped(**other, **part)):
+                    by_index[i] = emb
+            out.extend(by_index[i] for i in range(n_images))
+        else:
+            part = dict(image_kw)
+            if image_flag_value is not None:
+                part[IMAGE_FLAG] = image_flag_value
+            out.extend(wrapped(**other, **part))
+    if video_kw:
+        if video_flags is None:
+            # vLLM's own rule for videos without a flag: the images' flag of this batch, else the config's mode.
+            part = dict(video_kw)
+            if image_flag_value is not None:
+                part[IMAGE_FLAG] = image_flag_value
+            out.extend(wrapped(**other, **part))
+        else:
+            by_index = {}
+            for _flag, idx in _groups(video_flags):
+                part = {k: _take(v, idx) for k, v in video_kw.items()}
+                flags = _take(video_flag_value, idx)
+                # <= 0.31 encodes videos with the images' flag; 0.32+ reads the video flag: give both.
+                part[IMAGE_FLAG] = flags
+                part[VIDEO_FLAG] = flags
+                for i, emb in zip(idx, wrapped(**other, **part)):
+                    by_index[i] = emb
+            out.extend(by_index[i] for i in range(n_videos))
+    return tuple(out)
 
 
 def _resolved_video_mode(processor: Any, mm_kwargs: Mapping[str, object]) -> Any:
@@ -202,29 +188,20 @@ def _resolved_video_mode(processor: Any, mm_kwargs: Mapping[str, object]) -> Any
     return resolver(mm_kwargs)
 
 
-def wrap_process_mm_inputs(original: Any) -> Any:
-    """Wrap ``process_mm_inputs(mm_data, mm_kwargs[, tok_kwargs]) -> Mapping[str, NestedTensors]``: vLLM's result,
+def process_mm_inputs(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``process_mm_inputs(mm_data, mm_kwargs[, tok_kwargs]) -> Mapping[str, NestedTensors]``: vLLM's result,
     plus ``video_use_vit_merger`` (one ``torch.bool`` tensor of shape ``(1,)`` per video) where vLLM emitted videos
     and no such field."""
-    bind = _base.binder(original)
+    out = wrapped(*call.args, **call.kwargs)
+    videos = out.get("video_pixel_values") if isinstance(out, Mapping) else None
+    if not videos or VIDEO_FLAG in out:
+        return out
+    import torch
 
-    @functools.wraps(original)
-    def process_mm_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        if not _base.covers(sys.modules[__name__], self):
-            return out
-        videos = out.get("video_pixel_values") if isinstance(out, Mapping) else None
-        if not videos or VIDEO_FLAG in out:
-            return out
-        import torch
-
-        mm_kwargs = bind(self, *args, **kwargs).get("mm_kwargs") or {}
-        mode = _resolved_video_mode(self, mm_kwargs)
-        insert_layer_id = getattr(self.info.get_hf_config(), "insert_layer_id", -1)
-        flag = mode != "4x" and insert_layer_id >= 0
-        return {**out, VIDEO_FLAG: [torch.tensor([flag], dtype=torch.bool) for _ in range(_num_items(videos))]}
-
-    return process_mm_inputs
+    mode = _resolved_video_mode(instance, call.get("mm_kwargs") or {})
+    insert_layer_id = getattr(instance.info.get_hf_config(), "insert_layer_id", -1)
+    flag = mode != "4x" and insert_layer_id >= 0
+    return {**out, VIDEO_FLAG: [torch.tensor([flag], dtype=torch.bool) for _ in range(_num_items(videos))]}
 
 
 def _batched_video_field() -> Any:
@@ -236,20 +213,21 @@ def _batched_video_field() -> Any:
         return MultiModalFieldConfig.batched("video")
 
 
-def wrap_get_mm_fields_config(original: Any) -> Any:
-    """Wrap ``_get_mm_fields_config(hf_inputs, hf_processor_mm_kwargs)``: vLLM's fields, plus ``video_use_vit_merger``
-    (batched per video) when the processed inputs carry it and vLLM does not declare it."""
+def get_mm_fields_config(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``_get_mm_fields_config(hf_inputs, hf_processor_mm_kwargs)``: vLLM's fields, plus
+    ``video_use_vit_merger`` (batched per video) when the processed inputs carry it and vLLM does not declare it."""
+    fields = wrapped(*call.args, **call.kwargs)
+    hf_inputs = call["hf_inputs"]
+    if VIDEO_FLAG in hf_inputs and VIDEO_FLAG not in fields:
+        fields = {**fields, VIDEO_FLAG: _batched_video_field()}
+    return fields
 
-    @functools.wraps(original)
-    def _get_mm_fields_config(self: Any, hf_inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        fields = original(self, hf_inputs, *args, **kwargs)
-        if not _base.covers(sys.modules[__name__], self):
-            return fields
-        if VIDEO_FLAG in hf_inputs and VIDEO_FLAG not in fields:
-            fields = {**fields, VIDEO_FLAG: _batched_video_field()}
-        return fields
 
-    return _get_mm_fields_config
+PATCHES = {
+    f"{MODEL_CLASS}.embed_multimodal": wrap(embed_multimodal),
+    f"{PROCESSOR_CLASS}.process_mm_inputs": wrap(process_mm_inputs, bind=True),
+    f"{PROCESSOR_CLASS}._get_mm_fields_config": wrap(get_mm_fields_config, bind=True),
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -332,7 +310,7 @@ def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int]:
     from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
 
     proc_cls = getattr(module, PROCESSOR_CLASS)
-    info_cls = getattr(module, "MiniCPMV4_6ProcessingInfo")
+    info_cls = getattr(module, INFO_CLASS)
     image_processor = _probe_image_processor(MiniCPMV4_6ImageProcessor, scale_resolution=56)  # 28x28 -> 56x56
     info = object.__new__(info_cls)
     video = [np.zeros((28, 28, 3), dtype=np.uint8)]

@@ -16,8 +16,8 @@ Sets ``MiniCPMV4_6ProcessingInfo.get_hf_processor`` to what 0.24.0 defines there
 ``self.ctx.get_hf_processor(**kwargs)``, with the image processor's NumPy ``mean`` / ``std`` / ``image_mean`` /
 ``image_std`` turned into lists (as vLLM does in every release).
 
-The probe
----------
+The decision
+------------
 Runs the installed ``MiniCPMV4_6ProcessingInfo.get_hf_processor`` on a stand-in (created without ``__init__``)
 whose ``ctx.get_hf_processor()`` returns a real transformers ``MiniCPMV4_6Processor`` (real image and video
 processors, a tiny in-memory tokenizer): ``broken`` if it raises (the ``version`` error) or returns anything but
@@ -26,43 +26,34 @@ that processor, ``correct`` if it returns it. Costs ~10 ms (building the stand-i
 
 from __future__ import annotations
 
-import sys
-import functools
 from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
-from . import _mm_prompt as mp
+from . import _stand_ins
+from ._base import INFO_CLASS, V46, V47, replace
 
 NAME = "hf_processor_version"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "4.6 processor (no legacy MiniCPMVProcessor wrapper)"
-INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
-PATCHES = {f"{INFO_CLASS}.get_hf_processor": lambda old, _: make_get_hf_processor(old)}
+MODELS = (V46, V47)
 
 
-def make_get_hf_processor(original: Any) -> Any:
+def get_hf_processor(self: Any, **kwargs: object) -> Any:
     """``MiniCPMV4_6ProcessingInfo.get_hf_processor(self, **kwargs) -> transformers.ProcessorMixin`` as vLLM 0.24.0
     defines it: ``self.ctx.get_hf_processor(**kwargs)`` with NumPy normalisation constants turned into lists."""
+    hf_processor = self.ctx.get_hf_processor(**kwargs)
+    image_processor = getattr(hf_processor, "image_processor", None)
+    if image_processor is not None:
+        import numpy as np
 
-    @functools.wraps(original)
-    def get_hf_processor(self: Any, **kwargs: object) -> Any:
-        if not _base.covers(sys.modules[__name__], self):
-            return original(self, **kwargs)
-        hf_processor = self.ctx.get_hf_processor(**kwargs)
-        image_processor = getattr(hf_processor, "image_processor", None)
-        if image_processor is not None:
-            import numpy as np
+        for attr in ("mean", "std", "image_mean", "image_std"):
+            value = getattr(image_processor, attr, None)
+            if isinstance(value, np.ndarray):
+                setattr(image_processor, attr, value.tolist())
+    return hf_processor
 
-            for attr in ("mean", "std", "image_mean", "image_std"):
-                value = getattr(image_processor, attr, None)
-                if isinstance(value, np.ndarray):
-                    setattr(image_processor, attr, value.tolist())
-        return hf_processor
 
-    get_hf_processor.__vllm_minicpm_hotfix_original__ = original
-    return get_hf_processor
+PATCHES = {f"{INFO_CLASS}.get_hf_processor": replace(get_hf_processor)}
 
 
 def probe(module: ModuleType) -> Verdict:
@@ -72,8 +63,8 @@ def probe(module: ModuleType) -> Verdict:
     if not isinstance(info_cls, type) or not callable(getattr(info_cls, "get_hf_processor", None)):
         return Verdict(State.UNRECOGNISED, f"{module.__name__} has no {INFO_CLASS}.get_hf_processor", applicable=False)
     try:
-        native = mp.stand_in_hf_processor()
-        info = mp.stand_in_info(info_cls, native)
+        native = _stand_ins.hf_processor()
+        info = _stand_ins.info(info_cls, native)
     except Exception as exc:
         return Verdict(State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
     try:

@@ -29,33 +29,28 @@ checks the built model, which on 0.24 must also have ``lora_manager``); ``unreco
 ``supports_lora``, or the class's ``packed_modules_mapping`` / ``get_mm_mapping`` (without which no LoRA manager can
 wrap the model) are not there.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
-:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
-import sys
 from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
+from ._base import MODEL_CLASS, V46, V47, attribute
 
 NAME = "lora_support"
 LABEL = "LoRA support declared on the model class (--enable-lora)"
-MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
 INTERFACES = "vllm.model_executor.models.interfaces"
 #: The class attributes vLLM's ``SupportsLoRA`` protocol declares (0.22-0.33); those the installed protocol has and
 #: the class lacks are set.
 ATTRIBUTES = ("supports_lora", "embedding_modules", "is_3d_moe_weight", "is_non_gated_moe", "lora_skip_prefixes",
               "lora_manager")
-#: Each attribute the installed protocol declares and the class lacks, as a :class:`ForMembers` (:func:`declare`).
-PATCHES = {f"{MODEL_CLASS}.{attr}": lambda old, owner, attr=attr: declare(attr, old, owner) for attr in ATTRIBUTES}
-#: vLLM 0.32+ defines 4.7 with SupportsLoRA through its 4.6 base: nothing to declare there.
-MODELS = ("MiniCPM-V 4.6",)
+#: 4.7 subclasses the 4.6 class (vLLM 0.32+'s own, with SupportsLoRA through its base; the hotfix's backport on
+#: 0.22-0.30, without it on 0.22-0.24).
+MODELS = (V46, V47)
 #: What the LoRA manager reads from the model besides the protocol's attributes.
 NEEDS = ("packed_modules_mapping", "get_mm_mapping")
 
@@ -97,36 +92,20 @@ def declared(cls: type, protocol: type) -> dict[str, Any]:
     return out
 
 
-class ForMembers:
-    """A class attribute that exists only for the family members this fix declares (:data:`MODELS`): read on such a
-    class or its instance it is ``value``; on any other subclass (a model vLLM added after this package) it is what
-    that class saw without the fix: the attribute of the next class in its MRO after the patched one, else
-    ``AttributeError`` (vLLM 0.22-0.24 define none of these)."""
-
-    def __init__(self, attr: str, value: Any, owner: type) -> None:
-        self.attr, self.value, self.owner = attr, value, owner
-
-    def __get__(self, obj: Any, cls: type | None = None) -> Any:
-        cls = cls if cls is not None else type(obj)
-        if _base.covers(sys.modules[__name__], cls):
-            return self.value
-        mro = list(getattr(cls, "__mro__", ()))
-        for base in mro[mro.index(self.owner) + 1:] if self.owner in mro else ():  # what the class saw without it
-            if self.attr in vars(base):
-                found = vars(base)[self.attr]
-                return found.__get__(obj, cls) if hasattr(found, "__get__") else found
-        raise AttributeError(f"{self.attr} (lora_support does not cover {cls.__name__})")
-
-
-def declare(attr: str, original: Any, cls: Any) -> ForMembers | None:
-    """The value :data:`PATCHES` sets for ``attr`` on the model class ``cls``: a :class:`ForMembers` of the
-    protocol's member, or None where ``cls`` has it already (or the installed protocol lacks it). Raises
-    ``RuntimeError`` if ``cls`` is no class a LoRA manager can wrap (see :func:`probe`), before anything is set."""
+def declare(attr: str, original: Any, cls: Any) -> Any:
+    """The ``PATCHES`` value for ``attr`` on the model class ``cls``: the protocol's member as an attribute of the
+    declared members only (``_base.attribute``), or None where ``cls`` has it already (or the installed protocol
+    lacks it). Raises ``RuntimeError`` if ``cls`` is no class a LoRA manager can wrap (see :func:`probe`), before
+    anything is set."""
     found = _protocol_for(cls) if isinstance(cls, type) else f"{MODEL_CLASS} is not a class"
     if isinstance(found, str):
         raise RuntimeError(found)
     values = declared(cls, found[1])
-    return ForMembers(attr, values[attr], cls) if attr in values else None
+    return attribute(values[attr]) if attr in values else None
+
+
+#: Each attribute the installed protocol declares and the class lacks (:func:`declare`).
+PATCHES = {f"{MODEL_CLASS}.{attr}": lambda old, owner, attr=attr: declare(attr, old, owner) for attr in ATTRIBUTES}
 
 
 def probe(module: ModuleType) -> Verdict:

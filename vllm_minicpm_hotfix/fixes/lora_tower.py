@@ -28,7 +28,7 @@ What the fix does
   ``init_static_loras`` turns it into a start-up ``ValueError``. An adapter it cannot read goes to vLLM unchanged.
 * ``WorkerLoRAManager._load_adapter`` (``vllm/lora/worker_manager.py``; the worker's load of a ``--lora-modules``
   adapter at start-up, of ``POST /v1/load_lora_adapter``, and of an ``LLM.generate(lora_request=...)``): after
-  vLLM's own load, for a MiniCPM-V model (:func:`~vllm_minicpm_hotfix.fixes._base.covers`) whose LoRA manager has no
+  vLLM's own load, for a MiniCPM-V model this fix covers whose LoRA manager has no
   punica wrapper for a tower/connector prefix, an adapter with weights for modules under that prefix raises
   :class:`TowerLoRAError` naming the adapter, the modules (count and the first few), the model and what is allowed.
   Where the manager does wrap the tower (a vLLM that serves tower LoRA for the model), nothing is refused. This is
@@ -51,13 +51,10 @@ declares ``supports_tower_connector_lora`` false; ``correct``: a positive count 
 tower), or a ``ValueError`` (the guard in place: refused clearly); ``unrecognised``: the class, its
 ``get_mm_mapping`` or both budget methods are not there. Under 1 ms; imports no LoRA code.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
-:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -65,28 +62,21 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
+from ._base import FAMILY, MODEL_CLASS, V46, V47, Call, Refusal, model_of, on_import, wrap
 
 NAME = "lora_tower"
 LABEL = "LoRA adapters of the vision tower / connector refused clearly (--lora-modules, load_lora_adapter)"
-MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
+MODELS = (V46, V47)
+#: The adapters it refuses are loaded by the LoRA that ``lora_support`` declares.
+AFTER = ("lora_support",)
 BUDGET = "get_num_mm_encoder_tokens"
 WORKER_MODULE = "vllm.lora.worker_manager"
 LOAD = "WorkerLoRAManager._load_adapter"
 SERVING_MODULE = "vllm.entrypoints.openai.models.serving"
 API_LOAD = "OpenAIServingModels.load_lora_adapter"
 COUNTS = "get_mm_lora_token_counts"
-#: The model's budget methods (each wrapped where the class has it; one of them at least), the worker's adapter load
-#: and the API server's (set when vLLM imports their modules).
-PATCHES = {
-    f"{MODEL_CLASS}.{BUDGET}": lambda old, _: wrap_budget(old) if callable(old) else None,
-    f"{MODEL_CLASS}.{COUNTS}": lambda old, owner: _wrap_counts(old, owner),
-    f"{WORKER_MODULE}:{LOAD}": _base.on_import(lambda old, _: wrap_load(old)),
-    f"{SERVING_MODULE}:{API_LOAD}": _base.on_import(lambda old, _: wrap_api_load(old)),
-}
 #: safetensors file of a peft adapter folder.
 ADAPTER_FILE = "adapter_model.safetensors"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 #: Image tokens the probe asks the budget for.
 PROBE_TOKENS = 64
 #: How the probe's reason begins where the guard (a ValueError) answers.
@@ -97,9 +87,11 @@ SHOWN = 4
 log = logging.getLogger("vllm.minicpm_hotfix")
 
 
-class TowerLoRAError(ValueError):
+class TowerLoRAError(Refusal):
     """A LoRA adapter (or ``--enable-tower-connector-lora``) asks for LoRA on the vision tower or connector of a
     MiniCPM-V model, which this vLLM's LoRA machinery cannot apply."""
+
+    cause = "tower_lora"
 
 
 def _prefixes(model: Any) -> list[str]:
@@ -128,7 +120,7 @@ def unapplied_modules(manager: Any, names: list[str]) -> list[str]:
 
 def refusal(model: Any, lora_name: str, lora_path: str, modules: list[str]) -> str:
     """The error text for an adapter whose tower/connector ``modules`` this vLLM cannot apply to ``model``."""
-    member = _base.model_of(model) or type(model).__name__
+    member = model_of(model) or type(model).__name__
     shown = ", ".join(modules[:SHOWN]) + (", ..." if len(modules) > SHOWN else "")
     return (f"LoRA adapter {lora_name!r} ({lora_path}) has weights for {len(modules)} module(s) of the {member} vision "
             f"tower / connector ({shown}); this vLLM's LoRA applies to the language model of {member} only (its LoRA "
@@ -136,50 +128,41 @@ def refusal(model: Any, lora_name: str, lora_path: str, modules: list[str]) -> s
             f"applied. Drop those target modules (train the adapter on language_model layers only).")
 
 
-def wrap_load(original: Callable) -> Callable:
-    fix = sys.modules[__name__]
-
-    @functools.wraps(original)
-    def _load_adapter(self: Any, lora_request: Any, *args: Any, **kwargs: Any) -> Any:
-        lora = original(self, lora_request, *args, **kwargs)
-        manager = getattr(self, "_adapter_manager", None)
-        model = getattr(manager, "model", None)
-        if model is None or not _base.covers(fix, model):
-            return lora
-        bad = unapplied_modules(manager, sorted(getattr(lora, "loras", {}) or {}))
-        if bad:
-            raise TowerLoRAError(refusal(model, getattr(lora_request, "lora_name", "?"),
-                                         getattr(lora_request, "lora_path", "?"), bad))
-        return lora
-
-    return _load_adapter
+def load_adapter(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``WorkerLoRAManager._load_adapter(self, lora_request) -> LoRAModel``: vLLM's own load, then
+    :class:`TowerLoRAError` for an adapter with modules under a tower/connector prefix the manager does not wrap."""
+    lora = wrapped(*call.args, **call.kwargs)
+    manager = instance._adapter_manager
+    bad = unapplied_modules(manager, sorted(getattr(lora, "loras", {}) or {}))
+    if bad:
+        request = call.get("lora_request")
+        raise TowerLoRAError(refusal(manager.model, getattr(request, "lora_name", "?"),
+                                     getattr(request, "lora_path", "?"), bad))
+    return lora
 
 
-def wrap_budget(original: Callable) -> Callable:
-    """``get_num_mm_encoder_tokens`` / ``get_mm_lora_token_counts``: vLLM's answer where it is a count, else (None,
-    or the ``NotImplementedError`` of the stub on vLLM 0.32+) :class:`TowerLoRAError` for a covered model."""
-    fix = sys.modules[__name__]
+def adapter_model(instance: Any, args: tuple, kwargs: dict) -> Any:
+    """The model a ``WorkerLoRAManager`` loads adapters for (the class policy's subject), or None."""
+    return getattr(getattr(instance, "_adapter_manager", None), "model", None)
 
-    @functools.wraps(original)
-    def budget(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            out = original(self, *args, **kwargs)
-        except NotImplementedError as exc:
-            if not _base.covers(fix, self):
-                raise
-            out = exc
-        tokens = out[0] if isinstance(out, tuple) and out else out
-        if _positive(tokens) or not _base.covers(fix, self):
-            return out
-        member = _base.model_of(self)
-        raise TowerLoRAError(
-            f"--enable-tower-connector-lora: {member} ({type(self).__name__}) gives vLLM's LoRA manager no "
-            f"vision-encoder token count ({original.__name__} answers {out!r}), so this vLLM cannot run LoRA on its "
-            f"vision tower or connector. Start without --enable-tower-connector-lora: LoRA then applies to the "
-            f"language model of {member}, and an adapter with tower / connector modules is refused when it is "
-            f"loaded.")
 
-    return budget
+def budget(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``get_num_mm_encoder_tokens`` / ``get_mm_lora_token_counts``: vLLM's answer where it is a count, else
+    (None, or the ``NotImplementedError`` of the stub on vLLM 0.32+) :class:`TowerLoRAError`."""
+    try:
+        out = wrapped(*args, **kwargs)
+    except NotImplementedError as exc:
+        out = exc
+    tokens = out[0] if isinstance(out, tuple) and out else out
+    if _positive(tokens):
+        return out
+    member = model_of(instance)
+    raise TowerLoRAError(
+        f"--enable-tower-connector-lora: {member} ({type(instance).__name__}) gives vLLM's LoRA manager no "
+        f"vision-encoder token count ({wrapped.__name__} answers {out!r}), so this vLLM cannot run LoRA on its "
+        f"vision tower or connector. Start without --enable-tower-connector-lora: LoRA then applies to the "
+        f"language model of {member}, and an adapter with tower / connector modules is refused when it is "
+        f"loaded.")
 
 
 def tower_lora_possible(cls: type) -> bool:
@@ -187,6 +170,16 @@ def tower_lora_possible(cls: type) -> bool:
     a stand-in instance and it does not declare ``supports_tower_connector_lora`` false (as :func:`probe` judges)."""
     verdict = probe_class(cls)
     return verdict.state is State.CORRECT and not verdict.reason.startswith(REFUSED)
+
+
+def served_class(serving: Any, *_: Any) -> type | None:
+    """The family model class an ``OpenAIServingModels`` serves (the class policy's subject: its config's
+    architectures in the family's model modules vLLM imported), or None."""
+    config = getattr(getattr(serving, "engine_client", None), "model_config", None) or getattr(
+        getattr(serving, "registry", None), "model_config", None)
+    archs = list(getattr(getattr(config, "hf_config", None), "architectures", None) or [])
+    return next((getattr(sys.modules[m], a) for m in FAMILY for a in archs
+                 if m in sys.modules and isinstance(getattr(sys.modules[m], a, None), type)), None)
 
 
 def api_refusal(serving: Any, request: Any) -> str | None:
@@ -197,14 +190,9 @@ def api_refusal(serving: Any, request: Any) -> str | None:
     try:
         import os
 
-        config = getattr(getattr(serving, "engine_client", None), "model_config", None) or getattr(
-            getattr(serving, "registry", None), "model_config", None)
-        archs = list(getattr(getattr(config, "hf_config", None), "architectures", None) or [])
-        cls = next((getattr(sys.modules[m], a) for m in _base.FAMILY for a in archs
-                    if m in sys.modules and isinstance(getattr(sys.modules[m], a, None), type)), None)
+        cls = served_class(serving)
         path = str(getattr(request, "lora_path", "") or "")
-        if cls is None or not _base.covers(sys.modules[__name__], cls) or not os.path.isfile(
-                os.path.join(path, ADAPTER_FILE)) or tower_lora_possible(cls):
+        if cls is None or not os.path.isfile(os.path.join(path, ADAPTER_FILE)) or tower_lora_possible(cls):
             return None
         from safetensors import safe_open
         from vllm.lora.utils import parse_fine_tuned_lora_name
@@ -228,24 +216,33 @@ def api_refusal(serving: Any, request: Any) -> str | None:
         return None
 
 
-def wrap_api_load(original: Callable) -> Callable:
-    @functools.wraps(original)
-    async def load_lora_adapter(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        text = api_refusal(self, request)
-        if text is None:
-            return await original(self, request, *args, **kwargs)
-        log.warning("vllm-minicpm-hotfix: %s", text)
-        return sys.modules[type(self).__module__].create_error_response(text)  # vLLM's 400 BadRequestError
+async def load_lora_adapter(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around the coroutine ``OpenAIServingModels.load_lora_adapter(self, request, base_model_name=None)``: vLLM's
+    own load, or vLLM's 400 ``ErrorResponse`` with :func:`api_refusal`'s text."""
+    text = api_refusal(instance, call.get("request"))
+    if text is None:
+        return await wrapped(*call.args, **call.kwargs)
+    log.warning("vllm-minicpm-hotfix: %s", text)
+    # vLLM's own 400 BadRequestError, returned as vLLM's method returns its errors (the framework counts the refusal).
+    raise TowerLoRAError(text, response=sys.modules[type(instance).__module__].create_error_response(text))
 
-    return load_lora_adapter
 
-
-def _wrap_counts(original: Any, cls: Any) -> Callable | None:
+def _counts(old: Any, cls: Any) -> Any:
     """:data:`PATCHES`' ``get_mm_lora_token_counts``: wrapped where the class has it; ``RuntimeError`` if the class
     has neither it nor ``get_num_mm_encoder_tokens`` (nothing is set then)."""
-    if not callable(original) and not (isinstance(cls, type) and callable(getattr(cls, BUDGET, None))):
+    if not callable(old) and not (isinstance(cls, type) and callable(getattr(cls, BUDGET, None))):
         raise RuntimeError(f"{getattr(cls, '__module__', '?')}.{MODEL_CLASS} has neither {BUDGET} nor {COUNTS}")
-    return wrap_budget(original) if callable(original) else None
+    return wrap(budget) if callable(old) else None
+
+
+#: The model's budget methods (each wrapped where the class has it; one of them at least), the worker's adapter load
+#: and the API server's (set when vLLM imports their modules).
+PATCHES = {
+    f"{MODEL_CLASS}.{BUDGET}": lambda old, _: wrap(budget) if callable(old) else None,
+    f"{MODEL_CLASS}.{COUNTS}": _counts,
+    f"{WORKER_MODULE}:{LOAD}": on_import(wrap(load_adapter, bind=True, model=adapter_model)),
+    f"{SERVING_MODULE}:{API_LOAD}": on_import(wrap(load_lora_adapter, bind=True, model=served_class)),
+}
 
 
 def _positive(tokens: Any) -> bool:

@@ -1,9 +1,10 @@
 """MiniCPM-V 4.6 image and video placeholders equal to transformers' own: W/H order, slice layout, every processor
 kwarg, per request.
 
-What breaks (vllm/model_executor/models/minicpmv4_6.py; measured per release in docs/serving.md)
-------------------------------------------------------------------------------------------------
-vLLM computes the text that replaces each ``<|image_pad|>`` / ``<|video_pad|>`` of a prompt itself
+What breaks
+-----------
+(``vllm/model_executor/models/minicpmv4_6.py``; measured per release in docs/serving.md.) vLLM computes the text that
+replaces each ``<|image_pad|>`` / ``<|video_pad|>`` of a prompt itself
 (``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder`` / ``_compute_visual_tokens``,
 ``MiniCPMV4_6MultiModalProcessor.get_video_prompt_texts``), separately from the pixel values transformers' image
 processor makes for the same item. Where the two disagree on the number of pads the engine dies in
@@ -40,14 +41,15 @@ where ``use_image_id``. Set on vLLM's classes (``PATCHES``):
 
 It acts for MiniCPM-V 4.6 and 4.7 (``MODELS``; 4.7's classes in 0.32+ inherit every method above, and its text is
 transformers' ``MiniCPMV4_7Processor``'s, which vLLM builds for it); instances of any other subclass get vLLM's own
-behaviour (:func:`._base.covers`). The W/H order and the layout are fixed together, as one replacement: fixing the swap alone on 0.22-0.23 uncovers the full rows/columns bug.
+behaviour (the framework's class policy). The W/H order and the layout are fixed together, as one replacement:
+fixing the swap alone on 0.22-0.23 uncovers the full rows/columns bug.
 ``processor_downsample_mode`` (transformers >= 5.23's required ``downsample_mode``) stays a fix of its own: this one
 passes ``downsample_mode`` to transformers itself wherever the installed signature takes it and never calls
 ``_compute_visual_tokens``, so it is correct with or without that fix; ``_compute_visual_tokens`` (which vLLM code
 outside these producers may call) keeps needing it.
 
-The probe
----------
+The decision
+------------
 Runs the installed ``_get_prompt_updates`` (the current class attribute: re-run on the patched module it answers
 ``correct``) on stand-ins -- vLLM's real ``MiniCPMV4_6ProcessingInfo`` / ``MiniCPMV4_6MultiModalProcessor`` created
 without ``__init__``, over a real transformers ``MiniCPMV4_6Processor`` with a tiny in-memory tokenizer, patch 14 and
@@ -58,30 +60,19 @@ names every case that differs; ``correct`` if all are equal. No pixels are proce
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
 from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
 from . import _mm_prompt as mp
+from . import _stand_ins
+from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, V47, Call, wrap
 
 NAME = "mm_placeholders"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "image/video placeholder text (transformers' layout and kwargs)"
-
-INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
-PROC_CLASS = "MiniCPMV4_6MultiModalProcessor"
-_THIS = sys.modules[__name__]
-PATCHES = {
-    f"{PROC_CLASS}._get_prompt_updates": lambda old, _: mp.wrap_get_prompt_updates(old, _THIS),
-    f"{INFO_CLASS}.get_slice_image_placeholder": lambda old, _: wrap_get_slice_image_placeholder(old, _THIS),
-    f"{INFO_CLASS}.get_num_image_tokens": lambda old, _: wrap_get_num_image_tokens(old, _THIS),
-    f"{PROC_CLASS}.get_video_prompt_texts": lambda old, _: wrap_get_video_prompt_texts(old, _THIS),
-    f"{PROC_CLASS}.process_mm_inputs": lambda old, _: mp.wrap_process_mm_inputs(old, _THIS),
-    f"{INFO_CLASS}.get_video_max_slice_num": lambda old, _: mp.wrap_get_video_max_slice_num(old, _THIS),
-}
+MODELS = (V46, V47)
 
 
 def _native(info: Any) -> Any:
@@ -120,63 +111,86 @@ def video_placeholder(processor: Any, frame_size: Any, num_frames: int, idx: int
     return mp.video_text(hf, ip, frames, eff, idx)
 
 
-_UNSET = object()
+def _in_request(replacement: Any, request: mp.Request) -> Any:
+    """``replacement`` (one of vLLM's prompt-update callables) run with :data:`._mm_prompt.REQUEST` set."""
+
+    def in_request(*args: Any, **kwargs: Any) -> Any:
+        token = mp.REQUEST.set(request)
+        try:
+            return replacement(*args, **kwargs)
+        finally:
+            mp.REQUEST.reset(token)
+
+    return in_request
 
 
-def wrap_get_slice_image_placeholder(original: Any, fix: Any) -> Any:
-    """``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder(self, image_size, image_idx=0, max_slice_nums=None,
-    use_image_id=True, downsample_mode=None) -> str``: transformers' text (:func:`image_placeholder`); arguments
-    vLLM passes explicitly win over the request's kwargs. Instances ``fix`` does not cover get vLLM's own."""
-    bind = _base.binder(original)
-
-    @functools.wraps(original)
-    def get_slice_image_placeholder(self: Any, *args: Any, **kwargs: Any) -> str:
-        if not _base.covers(fix, self):
-            return original(self, *args, **kwargs)
-        a = bind(self, *args, **kwargs)
-        explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode", "use_image_id")}
-        return image_placeholder(self, a["image_size"], int(a.get("image_idx", 0) or 0), explicit)
-
-    get_slice_image_placeholder.__vllm_minicpm_hotfix_original__ = original
-    return get_slice_image_placeholder
+def get_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(self, mm_items, hf_processor_mm_kwargs,
+    out_mm_kwargs) -> Sequence[PromptUpdate]``: vLLM's own updates, each callable ``replacement`` run with
+    :data:`._mm_prompt.REQUEST` set to this call's items and kwargs."""
+    updates = wrapped(*call.args, **call.kwargs)
+    request = mp.Request(call.get("mm_items"), dict(call.get("hf_processor_mm_kwargs") or {}))
+    out = []
+    for update in updates:
+        replacement = getattr(update, "replacement", None)
+        if callable(replacement) and dataclasses.is_dataclass(update):
+            update = dataclasses.replace(update, replacement=_in_request(replacement, request))
+        out.append(update)
+    return type(updates)(out) if isinstance(updates, (list, tuple)) else out
 
 
-def wrap_get_num_image_tokens(original: Any, fix: Any) -> Any:
-    """``MiniCPMV4_6ProcessingInfo.get_num_image_tokens(self, image_size, max_slice_nums=None,
+def process_mm_inputs(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``MiniCPMVMultiModalProcessor.process_mm_inputs(self, mm_data, mm_kwargs[, tok_kwargs])`` (where vLLM
+    turns a request's items into tensors, 0.22-0.33): run with :data:`._mm_prompt.PROCESSING` set to its
+    ``mm_kwargs``."""
+    token = mp.PROCESSING.set(dict(call.get("mm_kwargs") or {}))
+    try:
+        return wrapped(*call.args, **call.kwargs)
+    finally:
+        mp.PROCESSING.reset(token)
+
+
+def get_video_max_slice_num(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> int:
+    """Around ``MiniCPMV4_6ProcessingInfo.get_video_max_slice_num(self) -> int`` (the slice limit vLLM hands the
+    image processor for every video frame, and counts with): the request's own ``max_slice_nums`` while one is being
+    processed -- as transformers' video processor honours it -- else vLLM's (the video processor's)."""
+    requested = mp.request_max_slice_nums()
+    return requested if requested is not None else wrapped(*args, **kwargs)
+
+
+def get_slice_image_placeholder(wrapped: Any, instance: Any, call: Call) -> str:
+    """Instead of ``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder(self, image_size, image_idx=0,
+    max_slice_nums=None, use_image_id=True, downsample_mode=None) -> str``: transformers' text
+    (:func:`image_placeholder`); arguments vLLM passes explicitly win over the request's kwargs."""
+    explicit = {k: call.get(k) for k in ("max_slice_nums", "downsample_mode", "use_image_id")}
+    return image_placeholder(instance, call["image_size"], int(call.get("image_idx", 0) or 0), explicit)
+
+
+def get_num_image_tokens(wrapped: Any, instance: Any, call: Call) -> int:
+    """Instead of ``MiniCPMV4_6ProcessingInfo.get_num_image_tokens(self, image_size, max_slice_nums=None,
     downsample_mode=None) -> int``: the number of ``<|image_pad|>`` in :func:`image_placeholder`'s text."""
-    bind = _base.binder(original)
-
-    @functools.wraps(original)
-    def get_num_image_tokens(self: Any, *args: Any, **kwargs: Any) -> int:
-        if not _base.covers(fix, self):
-            return original(self, *args, **kwargs)
-        a = bind(self, *args, **kwargs)
-        explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode")}
-        explicit["use_image_id"] = False
-        text = image_placeholder(self, a["image_size"], 0, explicit, from_item=False)
-        return text.count(mp.token(_native(self), "image_token"))
-
-    get_num_image_tokens.__vllm_minicpm_hotfix_original__ = original
-    return get_num_image_tokens
+    explicit = {k: call.get(k) for k in ("max_slice_nums", "downsample_mode")}
+    explicit["use_image_id"] = False
+    text = image_placeholder(instance, call["image_size"], 0, explicit, from_item=False)
+    return text.count(mp.token(_native(instance), "image_token"))
 
 
-def wrap_get_video_prompt_texts(original: Any, fix: Any) -> Any:
-    """``MiniCPMV4_6MultiModalProcessor.get_video_prompt_texts(self, image_size, num_frames, downsample_mode=None,
-    video_idx=0) -> str``: transformers' text (:func:`video_placeholder`)."""
-    bind = _base.binder(original)
+def get_video_prompt_texts(wrapped: Any, instance: Any, call: Call) -> str:
+    """Instead of ``MiniCPMV4_6MultiModalProcessor.get_video_prompt_texts(self, image_size, num_frames,
+    downsample_mode=None, video_idx=0) -> str``: transformers' text (:func:`video_placeholder`)."""
+    explicit = {k: call.get(k) for k in ("max_slice_nums", "downsample_mode")}
+    return video_placeholder(instance, call["image_size"], call["num_frames"], int(call.get("video_idx", 0) or 0),
+                             explicit)
 
-    @functools.wraps(original)
-    def get_video_prompt_texts(self: Any, *args: Any, **kwargs: Any) -> str:
-        if not _base.covers(fix, self):
-            return original(self, *args, **kwargs)
-        a = bind(self, *args, **kwargs)
-        explicit = {k: a.get(k) for k in ("max_slice_nums", "downsample_mode")}
-        return video_placeholder(
-            self, a["image_size"], a["num_frames"], int(a.get("video_idx", 0) or 0), explicit
-        )
 
-    get_video_prompt_texts.__vllm_minicpm_hotfix_original__ = original
-    return get_video_prompt_texts
+PATCHES = {
+    f"{PROCESSOR_CLASS}._get_prompt_updates": wrap(get_prompt_updates, bind=True),
+    f"{INFO_CLASS}.get_slice_image_placeholder": wrap(get_slice_image_placeholder, bind=True),
+    f"{INFO_CLASS}.get_num_image_tokens": wrap(get_num_image_tokens, bind=True),
+    f"{PROCESSOR_CLASS}.get_video_prompt_texts": wrap(get_video_prompt_texts, bind=True),
+    f"{PROCESSOR_CLASS}.process_mm_inputs": wrap(process_mm_inputs, bind=True),
+    f"{INFO_CLASS}.get_video_max_slice_num": wrap(get_video_max_slice_num),
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -215,7 +229,7 @@ def _probe_item(modality: str, size: tuple[int, int], frames: int) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _probe_native(model_kwargs: tuple) -> Any:
-    return mp.stand_in_hf_processor(**dict(model_kwargs))
+    return _stand_ins.hf_processor(**dict(model_kwargs))
 
 
 def _vllm_text(module: ModuleType, modality: str, item: Any, model_kwargs: dict, request_kwargs: dict) -> str:
@@ -230,10 +244,10 @@ def _vllm_text(module: ModuleType, modality: str, item: Any, model_kwargs: dict,
 
     from ._proxies import ModeDefaultingImageProcessor
 
-    info_cls, proc_cls = getattr(module, INFO_CLASS), getattr(module, PROC_CLASS)
+    info_cls, proc_cls = getattr(module, INFO_CLASS), getattr(module, PROCESSOR_CLASS)
     native = _probe_native(tuple(sorted(model_kwargs.items())))
-    info = mp.stand_in_info(info_cls, native, image_processor=ModeDefaultingImageProcessor(native.image_processor))
-    proc = mp.stand_in_processor(proc_cls, info)
+    info = _stand_ins.info(info_cls, native, image_processor=ModeDefaultingImageProcessor(native.image_processor))
+    proc = _stand_ins.processor(proc_cls, info)
     batch = ImageProcessorItems([item]) if modality == "image" else VideoProcessorItems([item])
     items = MultiModalDataItems({modality: batch})
     out = MultiModalKwargsItems({})
@@ -313,17 +327,17 @@ def probe(module: ModuleType) -> Verdict:
     ``undetermined`` if a case could not run. Never raises; leaves ``module`` unchanged. Costs about 1 ms on a
     release where the first case differs, 6-8 ms where every case runs.
     """
-    info_cls, proc_cls = getattr(module, INFO_CLASS, None), getattr(module, PROC_CLASS, None)
+    info_cls, proc_cls = getattr(module, INFO_CLASS, None), getattr(module, PROCESSOR_CLASS, None)
     missing = [
         f"{cls_name}.{attr}"
-        for cls_name, cls in ((INFO_CLASS, info_cls), (PROC_CLASS, proc_cls))
+        for cls_name, cls in ((INFO_CLASS, info_cls), (PROCESSOR_CLASS, proc_cls))
         for attr in {t.split(".")[1] for t in PATCHES if t.startswith(cls_name + ".")}
         if not callable(getattr(cls, attr, None))
     ]
     if missing:
         return Verdict(State.UNRECOGNISED, f"{module.__name__} lacks {', '.join(sorted(missing))}", applicable=False)
     try:
-        mp.stand_in_tokenizer()
+        _stand_ins.tokenizer()
     except Exception as exc:
         return Verdict(State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
     by_name = {case[0]: case for case in CASES}

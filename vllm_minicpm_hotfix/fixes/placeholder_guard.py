@@ -13,8 +13,8 @@ vision embeddings into the prompt: ``_merge_multimodal_embeddings`` raises ``Val
 multimodal tokens to M placeholders`` *inside the engine*, the engine dies, and every request in flight fails with it
 (or, where the tensors give more embeddings than the prompt has pads, the surplus is silently dropped).
 
-What the guard does
--------------------
+What the fix does
+-----------------
 After vLLM has resolved the prompt updates of a request -- and before its multimodal processor cache records the
 items as sent to the engine -- it compares, for each item, the number of embedding positions of its placeholder (the
 positions vLLM's own ``PromptUpdateDetails.is_embed`` selects) with the number of vision embeddings its processed
@@ -41,9 +41,7 @@ counts agree the guard does nothing else (it returns vLLM's own result object). 
 cause -- the other fixes do that where they can -- so it protects every release and every kwarg combination no fix
 covers, e.g. ``{"slice_mode": false}`` on 0.32/0.33.
 
-Where it hooks
---------------
-Two methods of vLLM's ``BaseMultiModalProcessor`` (``vllm/multimodal/processing/processor.py``), set on
+It hooks two methods of vLLM's ``BaseMultiModalProcessor`` (``vllm/multimodal/processing/processor.py``), set on
 ``MiniCPMV4_6MultiModalProcessor`` only (other models are untouched):
 
 * ``_apply_hf_processor(inputs, timing_ctx)`` -- the path without a processor cache: its result (a tuple
@@ -64,13 +62,10 @@ vLLM 0.22-0.33: it checks item counts, never embedding counts), ``correct`` if e
 that validates this itself, or the guard applied), ``undetermined`` if the stand-in cannot be built,
 ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever the hooks exist.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
-:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
 
-import sys
 import functools
 import inspect
 import types
@@ -79,16 +74,11 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
+from ._base import PROCESSOR_CLASS, V46, V47, Call, Refusal, WeakMemo, model_of, wrap
 
 NAME = "placeholder_guard"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
+MODELS = (V46, V47)
 LABEL = "placeholder/embedding count guard (HTTP 400 instead of a dead engine)"
-PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
-PATCHES = {
-    f"{PROCESSOR_CLASS}._apply_hf_processor": lambda old, _: wrap_apply_hf_processor(old),
-    f"{PROCESSOR_CLASS}._merge_mm_kwargs": lambda old, _: wrap_merge_mm_kwargs(old),
-}
 
 #: modality -> (field with the per-slice (h, w) patch grid, field with the item's vit_merger flag, pad token attr,
 #: default pad text).
@@ -98,8 +88,10 @@ FIELDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-class PlaceholderMismatchError(ValueError):
+class PlaceholderMismatchError(Refusal):
     """A request's placeholder count disagrees with its processed tensors (a ``ValueError``: HTTP 400)."""
+
+    cause = "placeholder_mismatch"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -209,7 +201,7 @@ def _arity(fn: Any) -> int:
 #: content[, the tokenizer]). ``is_embed`` is vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_text``
 #: closure, made anew per request and a pure function of its closure and its arguments, and a server sees the same
 #: few contents (one per image size and kwargs) over and over; skipped for a closure whose values are not plain data.
-_EMBEDS = _base.WeakMemo()
+_EMBEDS = WeakMemo()
 
 
 def _embeds_key(is_embed: Any, full: Any, two: bool, tokenizer: Any) -> tuple[Any, ...] | None:
@@ -298,7 +290,7 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
             index = indices[modality][pos] if indices is not None else pos
             pad_text = getattr(tokenizer, FIELDS[modality][2], None) or FIELDS[modality][3]
             raise PlaceholderMismatchError(
-                f"{_base.model_of(processor) or 'MiniCPM-V'}: {modality} item {index} of this request has {pads} {pad_text} placeholder tokens in "
+                f"{model_of(processor) or 'MiniCPM-V'}: {modality} item {index} of this request has {pads} {pad_text} placeholder tokens in "
                 f"the prompt, but its processed pixel values give {expected} vision embeddings ({_describe(modality, *found)}). "
                 "vLLM would fail inside the engine on this request (and take every request in flight with it), so "
                 "it is refused; check its mm_processor_kwargs (slice_mode, max_slice_nums, scale_resolution, "
@@ -323,43 +315,35 @@ def _kwargs_and_updates(result: Any) -> tuple[Any, Any] | None:
     return kwargs, updates
 
 
-def wrap_apply_hf_processor(original: Any) -> Any:
-    """Wrap ``BaseMultiModalProcessor._apply_hf_processor``: same signature and result; raises
-    :class:`PlaceholderMismatchError` (a ``ValueError``) where an item's counts disagree."""
-
-    @functools.wraps(original)
-    def _apply_hf_processor(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        found = _kwargs_and_updates(result)
-        if found is not None and _base.covers(sys.modules[__name__], self):
-            check(self, *found)
-        return result
-
-    return _apply_hf_processor
+def apply_hf_processor(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``BaseMultiModalProcessor._apply_hf_processor``: same result; raises :class:`PlaceholderMismatchError`
+    (a ``ValueError``) where an item's counts disagree."""
+    result = wrapped(*args, **kwargs)
+    found = _kwargs_and_updates(result)
+    if found is not None:
+        check(instance, *found)
+    return result
 
 
-def wrap_merge_mm_kwargs(original: Any) -> Any:
-    """Wrap ``BaseMultiModalProcessor._merge_mm_kwargs``: checks the items the cache does not hold yet, with their
+def merge_mm_kwargs(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``BaseMultiModalProcessor._merge_mm_kwargs``: checks the items the cache does not hold yet, with their
     indices in the request, *before* vLLM's cache records them; then runs vLLM's own method unchanged."""
-    bind = _base.binder(original)
+    try:
+        is_cached = call["mm_is_cached"]
+        missing_kwargs = call["mm_missing_kwargs"]
+        missing_updates = call["mm_missing_prompt_updates"]
+    except KeyError:
+        return wrapped(*call.args, **call.kwargs)
+    indices = {m: [i for i, cached in enumerate(flags) if not cached] for m, flags in is_cached.items()}
+    check(instance, missing_kwargs, missing_updates,
+          indices={m: indices.get(m, range(len(v))) for m, v in missing_kwargs.items()})
+    return wrapped(*call.args, **call.kwargs)
 
-    @functools.wraps(original)
-    def _merge_mm_kwargs(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _base.covers(sys.modules[__name__], self):
-            return original(self, *args, **kwargs)
-        try:
-            bound = bind(self, *args, **kwargs)
-            is_cached = bound["mm_is_cached"]
-            missing_kwargs = bound["mm_missing_kwargs"]
-            missing_updates = bound["mm_missing_prompt_updates"]
-        except (TypeError, KeyError):
-            return original(self, *args, **kwargs)
-        indices = {m: [i for i, cached in enumerate(flags) if not cached] for m, flags in is_cached.items()}
-        check(self, missing_kwargs, missing_updates,
-              indices={m: indices.get(m, range(len(v))) for m, v in missing_kwargs.items()})
-        return original(self, *args, **kwargs)
 
-    return _merge_mm_kwargs
+PATCHES = {
+    f"{PROCESSOR_CLASS}._apply_hf_processor": wrap(apply_hf_processor),
+    f"{PROCESSOR_CLASS}._merge_mm_kwargs": wrap(merge_mm_kwargs, bind=True),
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The second fix: hand transformers' MiniCPM-V 4.6 image processor the ``downsample_mode`` vLLM forgot to pass.
+"""Hand transformers' MiniCPM-V 4.6 image processor the ``downsample_mode`` vLLM forgot to pass.
 
 What breaks
 -----------
@@ -57,15 +57,11 @@ probe found vLLM correct or could not tell (the wrapper only adds the argument w
 that passes it the patch is a no-op). ``force`` does *not* patch where transformers' methods lack the parameter or
 vLLM's layout is unknown: there the wrapper could only do nothing or raise, and vLLM is better left exactly as shipped.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
-:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
 
-import sys
 import collections
-import functools
 import inspect
 from collections.abc import Iterator
 from types import ModuleType
@@ -73,14 +69,12 @@ from typing import Any
 
 from .. import decision
 from ..decision import Verdict
-from . import _base
+from ._base import INFO_CLASS, V46, V47, Call, wrap
 
 NAME = "processor_downsample_mode"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "image placeholder count (downsample_mode)"
-INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
+MODELS = (V46, V47)
 METHOD = "_compute_visual_tokens"
-PATCHES = {f"{INFO_CLASS}.{METHOD}": lambda old, _: wrap_compute_visual_tokens(old)}
 #: transformers' image-processor methods vLLM calls without the mode.
 TARGETS = ("find_best_resize", "get_refine_size")
 PARAM = "downsample_mode"
@@ -114,39 +108,20 @@ def _resolve_mode(info: Any, requested: Any) -> Any:
     return getattr(info.get_image_processor(), PARAM, "16x")
 
 
-def wrap_compute_visual_tokens(original: Any) -> Any:
-    """Wrap vLLM's ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens`` (see the module docstring).
-
-    The wrapper has the original's signature ``(self, image_size: ImageSize, max_slice_nums: int | None = None,
-    downsample_mode: str | None = None) -> tuple[list[int], int, int]`` -- ``(grids [rows, cols] or [0, 0],
-    source_image_visual_tokens, patch_visual_tokens)`` -- and raises what the original raises. Arguments that do not
-    bind to the original's signature are passed through untouched, so vLLM's own error surfaces.
-    """
+def compute_visual_tokens(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around vLLM's ``MiniCPMV4_6ProcessingInfo._compute_visual_tokens(self, image_size: ImageSize, max_slice_nums:
+    int | None = None, downsample_mode: str | None = None) -> tuple[list[int], int, int]`` -- ``(grids [rows, cols]
+    or [0, 0], source_image_visual_tokens, patch_visual_tokens)``: vLLM's body run on a
+    :class:`._proxies.ModeInfoView` of ``self`` with the resolved mode (see the module docstring). Raises what vLLM's
+    body raises."""
     from ._proxies import ModeInfoView
 
-    sig = inspect.signature(original)
-    bind = _base.binder(original)
-    first = next(iter(sig.parameters))
-    has_mode_param = PARAM in sig.parameters
+    mode = _resolve_mode(instance, call.get(PARAM))
+    args, kwargs = call.replaced(**({PARAM: mode} if PARAM in call.parameters else {}))
+    return wrapped.__func__(ModeInfoView(instance, mode), *args[1:], **kwargs)
 
-    @functools.wraps(original)
-    def _compute_visual_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _base.covers(sys.modules[__name__], self):
-            return original(self, *args, **kwargs)
-        try:
-            arguments = bind(self, *args, **kwargs)
-        except TypeError:
-            return original(self, *args, **kwargs)
-        mode = _resolve_mode(self, arguments.get(PARAM))
-        if has_mode_param:
-            arguments[PARAM] = mode
-        arguments[first] = ModeInfoView(self, mode)
-        # The call split into positional and keyword arguments as ``sig.bind(...)`` would give it.
-        bound = inspect.BoundArguments(sig, arguments)
-        return original(*bound.args, **bound.kwargs)
 
-    _compute_visual_tokens.__vllm_minicpm_hotfix_original__ = original
-    return _compute_visual_tokens
+PATCHES = {f"{INFO_CLASS}.{METHOD}": wrap(compute_visual_tokens, bind=True)}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -199,7 +174,7 @@ def probe(module: ModuleType) -> Verdict:
             decision.State.UNRECOGNISED, f"{module.__name__} has no {INFO_CLASS}.{METHOD}", applicable=False
         )
     # The class judged is the first that imports: the one transformers' AutoImageProcessor hands vLLM (the torchvision
-    # backend, or the PIL one where torchvision is missing), as _mm_prompt.stand_in_hf_processor picks it. The PIL
+    # backend, or the PIL one where torchvision is missing), as _stand_ins.hf_processor picks it. The PIL
     # module, which vLLM never imports where torchvision is installed, is then not imported by the probe either.
     try:
         ip_cls = next(transformers_image_processor_classes(), None)

@@ -1,7 +1,7 @@
 """A check-only guard: a MiniCPM-V 4.6 checkpoint missing a vit_merger q/k/v shard fails to load instead of loading.
 
-What it catches
----------------
+What breaks
+-----------
 vLLM's "weights not initialized" check (``DefaultModelLoader``) exempts every layer whose quantization method has
 ``process_weights_after_loading`` -- every unquantized linear layer, the window merger's ``qkv_proj``
 (``QKVParallelLinear``) included. So on releases whose own q/k/v loading is correct (0.22-0.24, 0.30+), a checkpoint
@@ -9,8 +9,8 @@ without ``model.vision_tower.vit_merger.self_attn.k_proj.bias``, or without the 
 and the missing rows keep whatever memory ``torch.empty`` handed out: a server that answers, wrongly. The q/k/v loader
 fix (:mod:`.qkv_loader`) refuses such a checkpoint, but it is applied only where vLLM's own loading is broken.
 
-What it does
-------------
+What the fix does
+-----------------
 Nothing about *how* vLLM loads changes. It wraps ``MiniCPMV4_6ForConditionalGeneration.load_weights`` (the call
 vLLM's ``DefaultModelLoader.load_weights`` makes; vLLM 0.22-0.33) so that for the duration of one model load each
 ``qkv_proj`` parameter of each ``MiniCPMV4_6ViTWindowAttentionSelfAttn`` in the model has its ``weight_loader``
@@ -50,22 +50,23 @@ tells whether a given checkpoint holds every vit_merger q/k/v tensor.
 
 from __future__ import annotations
 
-import sys
 import contextvars
 import functools
 from collections.abc import Iterable
-from types import ModuleType
+from types import MethodType, ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
+from ._base import V46, V47, wrap
 from .qkv_loader import (ATTN_CLASS, FUSED, MODEL_CLASS, PROBE_NAMES, QKVLoadError, _stand_in_model, attn_class_of,
                          recognise_layout)
 
 NAME = "qkv_completeness_guard"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
+MODELS = (V46, V47)
 LABEL = "vit_merger q/k/v completeness guard"
-PATCHES = {f"{MODEL_CLASS}.load_weights": lambda old, owner: wrap_model_load_weights(old, attn_class_of(owner))}
+#: Its probe reads whether the q/k/v loader (which checks completeness itself) is applied, and it wraps outside the
+#: loader's ``load_weights``.
+AFTER = ("qkv_loader",)
 #: A check, not a repair: vLLM loads a complete checkpoint correctly without it, so it matters only for these
 #: checkpoints. ``doctor`` reports it unapplied as a WARN row, never a FAIL (the quantized fixes' mechanism), and
 #: names the command that checks a given checkpoint for them.
@@ -107,7 +108,6 @@ class _Watch:
             loader, had = default_weight_loader, False
         got = self.shards.setdefault((id(module), param_name), set())
 
-        @functools.wraps(loader)
         def observed(p: Any, loaded_weight: Any, *args: Any, **kwargs: Any) -> Any:
             result = loader(p, loaded_weight, *args, **kwargs)
             shard = args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
@@ -161,30 +161,27 @@ class _Watch:
             )
 
 
-def wrap_model_load_weights(original: Any, attn_cls: type) -> Any:
-    """Wrap ``MiniCPMV4_6ForConditionalGeneration.load_weights``: observe, call ``original`` unchanged, check.
-
-    Returns what ``original`` returns. Raises what ``original`` raises (the observers are removed first), then
+def model_load_weights(wrapped: Any, instance: Any, args: tuple, kwargs: dict, *, attn_cls: type) -> Any:
+    """Around ``MiniCPMV4_6ForConditionalGeneration.load_weights(self, weights)``: observe, call vLLM's unchanged,
+    check. Returns what vLLM's returns. Raises what vLLM's raises (the observers are removed first), then
     :class:`QKVLoadError` if a ``qkv_proj`` parameter of an ``attn_cls`` module got some but not all of the shards
-    ``"q"``, ``"k"``, ``"v"`` in this load, or none in any load.
-    """
+    ``"q"``, ``"k"``, ``"v"`` in this load, or none in any load. A nested call (a subclass's ``load_weights`` calling
+    the base class's) joins the load in progress."""
+    if _ACTIVE.get() is not None:
+        return wrapped(*args, **kwargs)
+    watch = _Watch(instance, attn_cls)
+    token = _ACTIVE.set(watch)
+    try:
+        loaded = wrapped(*args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+        watch.stop()
+    watch.check()
+    return loaded
 
-    @functools.wraps(original)
-    def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> Any:
-        if _ACTIVE.get() is not None or not _base.covers(sys.modules[__name__], self):
-            return original(self, weights)
-        watch = _Watch(self, attn_cls)
-        token = _ACTIVE.set(watch)
-        try:
-            loaded = original(self, weights)
-        finally:
-            _ACTIVE.reset(token)
-            watch.stop()
-        watch.check()
-        return loaded
 
-    load_weights.__wrapped__ = original
-    return load_weights
+PATCHES = {f"{MODEL_CLASS}.load_weights": lambda old, owner: wrap(
+    functools.partial(model_load_weights, attn_cls=attn_class_of(owner)))}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -244,7 +241,8 @@ def probe(module: ModuleType) -> Verdict:
                 applicable=False,
             )
         try:
-            _feed(wrap_model_load_weights(loader, attn_cls), module, list(PROBE_NAMES))
+            _feed(lambda model, weights: model_load_weights(MethodType(loader, model), model, (weights,), {},
+                                                            attn_cls=attn_cls), module, list(PROBE_NAMES))
         except Exception as exc:  # noqa: BLE001
             return Verdict(
                 State.UNDETERMINED,

@@ -1,53 +1,57 @@
-"""The fix: a correct q/k/v-packing ``load_weights`` for vLLM's MiniCPM-V 4.6 window-merger self-attention.
+"""A correct q/k/v-packing ``load_weights`` for vLLM's MiniCPM-V 4.6 window-merger self-attention.
 
+What breaks
+-----------
 MiniCPM-V 4.6 checkpoints store the ViT window-merger attention split::
 
     model.vision_tower.vit_merger.self_attn.{q,k,v,out}_proj.{weight,bias}
 
 while vLLM's ``MiniCPMV4_6ViTWindowAttentionSelfAttn`` holds one fused ``qkv_proj`` (a ``QKVParallelLinear``) and
-``out_proj`` (a ``RowParallelLinear``). :func:`load_weights` is attached to that class at run time; vLLM's
-``AutoWeightsLoader`` then hands it the self-attention's weights with the module prefix stripped
-(``q_proj.weight``, ...), exactly as it hands them to any child module's ``load_weights``.
+``out_proj`` (a ``RowParallelLinear``). vLLM packed them wrongly in three ways: main builds before 0.22 stacked
+nothing (``There is no module or parameter named 'vit_merger.self_attn.k_proj'``); 0.25-0.26's self-attention
+``WeightsMapper`` matched substrings and chained (``'qkqkv_proj'``); 0.27-0.29's dotted keys never matched the
+prefix-stripped names a child module receives (``'k_proj'``). Each error comes after the whole language model has
+loaded.
 
-It mirrors the stacked-parameter loop of vLLM's own model loaders (e.g. ``Qwen2Model.load_weights`` in
-``vllm/model_executor/models/qwen2.py`` and the hand-written ``MiniCPMV4_6ViTWindowAttentionSelfAttn.load_weights`` of
-vLLM 0.22-0.24), with two additions vLLM lacks: every q/k/v shard must arrive exactly once (vLLM exempts linear layers
-from its "weights not initialized" check, so a missing shard would otherwise stay silently random), and every name must
-match a parameter.
+What the fix does
+-----------------
+:func:`load_weights` is attached to the self-attention class at run time; vLLM's ``AutoWeightsLoader`` then hands it
+the self-attention's weights with the module prefix stripped (``q_proj.weight``, ...), exactly as it hands them to any
+child module's ``load_weights``. It mirrors the stacked-parameter loop of vLLM's own model loaders (e.g.
+``Qwen2Model.load_weights`` in ``vllm/model_executor/models/qwen2.py`` and the hand-written
+``MiniCPMV4_6ViTWindowAttentionSelfAttn.load_weights`` of vLLM 0.22-0.24), with two additions vLLM lacks: every q/k/v
+shard must arrive exactly once (vLLM exempts linear layers from its "weights not initialized" check, so a missing
+shard would otherwise stay silently random), and every name must match a parameter. The model's top-level
+``load_weights`` is wrapped so completeness is judged over the whole model load.
 
-The decision: :func:`probe` runs vLLM's own top-level ``load_weights`` on a stand-in model -- instances of vLLM's real
-classes (``MiniCPMV4_6ForConditionalGeneration``, ``MiniCPMV4_6ViTWindowAttentionSelfAttn``, ``QKVParallelLinear``)
-created without their ``__init__``, so no distributed state, config or device is needed -- whose parameters record
-what their weight loader is handed. It feeds the six q/k/v tensor names of the real checkpoint (in the sorted order
-safetensors yields them) and checks that each one reached ``qkv_proj.{weight,bias}`` as the right shard with its own
-values. That one path covers every way vLLM has packed these tensors: the hand-written loop of 0.22-0.24, the
-self-attention ``WeightsMapper`` of 0.25-0.29 (``qkqkv_proj`` / ``k_proj`` errors), the top-level stacked mapper of
-0.30+ and 0.32's ``_stack_vit_merger_qkv``, and main builds that stacked nothing at all.
-
-Nothing here imports vLLM or torch at import time; they are imported on first use.
+The decision
+------------
+:func:`probe` runs vLLM's own top-level ``load_weights`` on a stand-in model -- instances of vLLM's real classes
+(``MiniCPMV4_6ForConditionalGeneration``, ``MiniCPMV4_6ViTWindowAttentionSelfAttn``, ``QKVParallelLinear``) created
+without their ``__init__``, so no distributed state, config or device is needed -- whose parameters record what their
+weight loader is handed. It feeds the six q/k/v tensor names of the real checkpoint (in the sorted order safetensors
+yields them) and checks that each one reached ``qkv_proj.{weight,bias}`` as the right shard with its own values. That
+one path covers every way vLLM has packed these tensors: the hand-written loop of 0.22-0.24, the self-attention
+``WeightsMapper`` of 0.25-0.29, the top-level stacked mapper of 0.30+ and 0.32's ``_stack_vit_merger_qkv``, and main
+builds that stacked nothing at all. Nothing here imports vLLM or torch at import time.
 """
 
 from __future__ import annotations
 
-import sys
 import contextlib
+import functools
+import sys
 import contextvars
 from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
+from ._base import ATTN_CLASS, EVERY_CALL, MODEL_CLASS, V46, V47, replace, wrap
 
 NAME = "qkv_loader"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
+MODELS = (V46, V47)
 LABEL = "vit_merger q/k/v loader"
-MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
-ATTN_CLASS = "MiniCPMV4_6ViTWindowAttentionSelfAttn"
-PATCHES = {
-    f"{ATTN_CLASS}.load_weights": lambda old, _: load_weights,
-    f"{MODEL_CLASS}.load_weights": lambda old, owner: wrap_model_load_weights(old, attn_class_of(owner)),
-}
 
 #: Checkpoint module name -> ``QKVParallelLinear`` shard id.
 SHARD_IDS: dict[str, str] = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
@@ -309,35 +313,34 @@ def attn_class_of(model_cls: type) -> type:
     return getattr(sys.modules[model_cls.__module__], ATTN_CLASS)
 
 
-def wrap_model_load_weights(original: Any, attn_cls: type) -> Any:
-    """Wrap ``MiniCPMV4_6ForConditionalGeneration.load_weights`` so q/k/v completeness is judged per model load.
-
-    The wrapper opens one load session around vLLM's own top-level ``load_weights`` (so shards that reach the
-    self-attention in several calls, e.g. from a sharded checkpoint, are counted together) and afterwards checks that
-    every ``qkv_proj`` parameter of every ``attn_cls`` module has been filled completely by this or an earlier load.
+def model_load_weights(wrapped: Any, instance: Any, args: tuple, kwargs: dict, *, attn_cls: type) -> set[str]:
+    """Around ``MiniCPMV4_6ForConditionalGeneration.load_weights(self, weights: Iterable[tuple[str, Tensor]]) ->
+    set[str]``: one load session around vLLM's own top-level ``load_weights`` (so shards that reach the self-attention
+    in several calls, e.g. from a sharded checkpoint, are counted together); afterwards every ``qkv_proj`` parameter
+    of every ``attn_cls`` module must have been filled completely by this or an earlier load.
 
     Raises:
         QKVLoadError: see :func:`load_session`; or a ``qkv_proj`` parameter that no load has filled (the checkpoint
             has no ``vit_merger.self_attn.{q,k,v}_proj`` at all).
     """
-    import functools
+    with load_session():
+        loaded = wrapped(*args, **kwargs)
+    never = qkv_params_never_loaded(instance, attn_cls)
+    if never:
+        raise QKVLoadError(
+            f"vit_merger q/k/v never loaded: {never} received no q_proj/k_proj/v_proj (or qkv_proj) tensor from "
+            f"the checkpoint and would keep uninitialised values"
+        )
+    return loaded
 
-    @functools.wraps(original)
-    def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        if not _base.covers(sys.modules[__name__], self):
-            return original(self, weights)
-        with load_session():
-            loaded = original(self, weights)
-        never = qkv_params_never_loaded(self, attn_cls)
-        if never:
-            raise QKVLoadError(
-                f"vit_merger q/k/v never loaded: {never} received no q_proj/k_proj/v_proj (or qkv_proj) tensor from "
-                f"the checkpoint and would keep uninitialised values"
-            )
-        return loaded
 
-    load_weights.__wrapped__ = original
-    return load_weights
+#: The window attention class is shared by every member's model (4.7 builds 4.6's): its loader is the fix's for every
+#: call, and the model's ``load_weights`` -- where the class policy applies -- decides for which models it is judged.
+PATCHES = {
+    f"{ATTN_CLASS}.load_weights": replace(load_weights, model=EVERY_CALL),
+    f"{MODEL_CLASS}.load_weights": lambda old, owner: wrap(
+        functools.partial(model_load_weights, attn_cls=attn_class_of(owner))),
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""The fix: build the vision side of a quantized MiniCPM-V 4.6 checkpoint as the checkpoint stores it.
+"""Build the vision side of a quantized MiniCPM-V 4.6 checkpoint as the checkpoint stores it.
 
+What breaks
+-----------
 vLLM hands the model's one quantization config to the vision tower (``vpm``, vLLM's ``Idefics2VisionTransformer``)
 and the window merger (``vit_merger``) as well as to the language model
 (``MiniCPMV4_6ForConditionalGeneration.__init__`` in ``vllm/model_executor/models/minicpmv4_6.py``, 0.22-0.33). Each
@@ -13,7 +15,9 @@ them as plain bf16 -- or, with a GPTQ list of ``self_attn.q_proj``…, the visio
 substring also matches ``vpm.encoder.layers.N.self_attn.q_proj``. Construction then fails on a 4-bit kernel that
 cannot take the vision dimensions, or loading fails on ``….mlp.fc1.weight``.
 
-The fix wraps ``MiniCPMV4_6ForConditionalGeneration.__init__``: while the model is constructed, every linear layer of
+What the fix does
+-----------------
+It wraps ``MiniCPMV4_6ForConditionalGeneration.__init__``: while the model is constructed, every linear layer of
 ``vpm``, ``vit_merger`` and ``merger`` gets the quant method the checkpoint's own tensors call for, read from the
 safetensors headers (:mod:`vllm_minicpm_hotfix.quant_layout`; no tensor data is read):
 
@@ -27,11 +31,20 @@ safetensors headers (:mod:`vllm_minicpm_hotfix.quant_layout`; no tensor data is 
 The language model is left to vLLM. After construction, a vision layer vLLM builds as a plain ``torch.nn.Linear``
 (the merger, ``vit_merger.linear_1/2``) whose checkpoint tensors are quantized raises :class:`QuantizedVisionError`
 at once, instead of an ``AssertionError`` deep in the weight loader.
+
+The decision
+------------
+Probed at the first construction that gets a quantization config (``DEFER_AT``): :func:`probe` builds vLLM's AWQ
+config from the skip list quantizers write (``modules_to_not_convert: ["model.vision_tower", "model.merger"]``),
+mapped as vLLM maps it, and starts the model class's ``__init__`` as it now stands on a stand-in instance for a
+checkpoint folder whose vision layer ``vpm.encoder.layers.0.mlp.fc1`` is stored bf16; the first thing vLLM's own
+``__init__`` reads from the config stops it, after asking the config which quant method that layer gets.
+``broken``: a quantized one (stock 0.22-0.33); ``correct``: unquantized (a vLLM that honours the names, or this fix
+applied); ``undetermined`` if the stand-in cannot be set up.
 """
 
 from __future__ import annotations
 
-import sys
 import contextlib
 import dataclasses
 import functools
@@ -42,24 +55,22 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from .. import decision
-from . import _base, _deferred
+from ._base import MODEL_CLASS, V46, V47, deferred, wrap
 
 if TYPE_CHECKING:  # annotations only: the module is imported at first use (_layout)
     from ..quant_layout import LayerRow, ModuleStorage
 
 NAME = "quantized_vision"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "quantized-checkpoint vision layers"
-MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
+MODELS = (V46, V47)
 #: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
 #: given checkpoint).
 SCOPE = "quantized checkpoints"
 
-#: Probed at first use (:mod:`._deferred`): the first model construction that gets a quantization config. An
+#: Probed at first use (:mod:`._base.deferred`): the first model construction that gets a quantization config. An
 #: unquantized checkpoint never takes this path, and the probe (an AWQ config and vLLM's quantization machinery,
 #: 0.2-0.4 s of CPU) would otherwise run in every vLLM process.
 DEFER_AT = f"{MODEL_CLASS}.__init__"
-PATCHES = {DEFER_AT: lambda old, _: wrap_init(old)}
 PATH = "gets a quantization config"
 
 #: vLLM's top-level names of the vision side.
@@ -280,35 +291,30 @@ def _quant_config(args: tuple, kwargs: dict) -> Any:
 
 def uses_path(*args: Any, **kwargs: Any) -> bool:
     """For a call of ``MiniCPMV4_6ForConditionalGeneration.__init__`` (``self`` first): whether it builds the model
-    with a quantization config, the only construction this fix changes (:func:`wrap_init`)."""
+    with a quantization config, the only construction this fix changes (:func:`init`)."""
     return _quant_config(args, kwargs) is not None
 
 
-def wrap_init(original: Callable) -> Callable:
-    """``MiniCPMV4_6ForConditionalGeneration.__init__`` that constructs the vision layers as the checkpoint stores
-    them (see the module docstring). Without a quantization config it is vLLM's ``__init__`` unchanged."""
+def init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
+    """Around ``MiniCPMV4_6ForConditionalGeneration.__init__(self, *, vllm_config, prefix="")``: constructs the vision
+    layers as the checkpoint stores them (see the module docstring). Without a quantization config, or where the
+    checkpoint's headers cannot be read, it is vLLM's ``__init__`` unchanged. Raises :class:`QuantizedVisionError`."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    quant_config = getattr(vllm_config, "quant_config", None)
+    plan = None
+    if quant_config is not None:
+        plan = plan_for(getattr(vllm_config, "model_config", None), type(instance))
+    if plan is None:
+        wrapped(*args, **kwargs)
+        return
+    prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "") or ""
+    with intercept(quant_config, plan, prefix):
+        wrapped(*args, **kwargs)
+    check_plain_linears(instance, plan, prefix)
+    object.__setattr__(instance, ROWS_ATTR, list(plan.rows))
 
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not _base.covers(sys.modules[__name__], self):
-            original(self, *args, **kwargs)
-            return
-        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-        quant_config = getattr(vllm_config, "quant_config", None)
-        plan = None
-        if quant_config is not None:
-            plan = plan_for(getattr(vllm_config, "model_config", None), type(self))
-        if plan is None:
-            original(self, *args, **kwargs)
-            return
-        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "") or ""
-        with intercept(quant_config, plan, prefix):
-            original(self, *args, **kwargs)
-        check_plain_linears(self, plan, prefix)
-        object.__setattr__(self, ROWS_ATTR, list(plan.rows))
 
-    __init__.__wrapped__ = original
-    return __init__
+PATCHES = {DEFER_AT: wrap(init)}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -337,6 +343,56 @@ def _stand_in_linear() -> Any:
     return layer
 
 
+class _Stop(Exception):
+    """Raised by the probe's stand-in config to stop ``__init__`` once the layer's quant method is known."""
+
+
+#: The probe's stand-in checkpoint: one vision layer stored bf16, in transformers' names.
+PROBE_TENSORS = {"model.vision_tower.encoder.layers.0.mlp.fc1.weight": (128, 64),
+                 "model.vision_tower.encoder.layers.0.mlp.fc1.bias": (128,)}
+
+
+def method_at_construction(model_cls: type, quant_config: Any, layer: Any) -> Any:
+    """The quant method ``quant_config`` gives ``layer`` (named :data:`PROBE_LAYER`) while ``model_cls.__init__`` as
+    it now stands (a first-use trigger looked through: vLLM's own then) constructs a model of a folder holding
+    :data:`PROBE_TENSORS` as bf16: asked when vLLM's ``__init__`` first reads its config, then construction stops.
+    Raises ``RuntimeError`` if ``__init__`` never reads it."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+    from torch import nn
+
+    init_fn = next(vars(c)["__init__"] for c in model_cls.__mro__ if "__init__" in vars(c))
+    if deferred.is_trigger(init_fn):
+        init_fn = init_fn.__wrapped__
+    seen: list[Any] = []
+
+    class StandInConfig:
+        """A config whose every attribute but the checkpoint's name asks for the method, then stops."""
+
+        def __init__(self, **known: Any) -> None:
+            self.__dict__.update(known)
+
+        def __getattr__(self, name: str) -> Any:
+            seen.append(quant_config.get_quant_method(layer, PROBE_LAYER))
+            raise _Stop
+
+    with tempfile.TemporaryDirectory(prefix="vmh-quantized-vision-") as folder:
+        save_file({k: torch.zeros(shape, dtype=torch.bfloat16) for k, shape in PROBE_TENSORS.items()},
+                  os.path.join(folder, "model.safetensors"))
+        model = model_cls.__new__(model_cls)
+        nn.Module.__init__(model)
+        vllm_config = StandInConfig(quant_config=quant_config, model_config=StandInConfig(model=folder, revision=None))
+        try:
+            init_fn(model, vllm_config=vllm_config)
+        except _Stop:
+            pass
+    if not seen:
+        raise RuntimeError(f"{model_cls.__name__}.__init__ never read its config")
+    return seen[0]
+
+
 def probe(module: ModuleType) -> decision.Verdict:
     """Ask the installed code which quant method a vision-tower linear layer gets from an AWQ config whose
     ``modules_to_not_convert`` names ``model.vision_tower`` (as quantizers write it), mapped the way vLLM's
@@ -359,18 +415,7 @@ def probe(module: ModuleType) -> decision.Verdict:
     except Exception as exc:  # noqa: BLE001
         return decision.Verdict(decision.State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
     try:
-        if _base.acts_for(sys.modules[__name__], model_cls, "__init__") and not any(
-                _deferred.is_trigger(vars(c).get("__init__")) for c in model_cls.__mro__):
-            storage = {
-                "model.vision_tower.encoder.layers.0.mlp.fc1": _layout().ModuleStorage(
-                    "model.vision_tower.encoder.layers.0.mlp.fc1", False, ("bias", "weight"), ("BF16", "BF16"),
-                    ((128,), (128, 64)))
-            }  # fmt: skip
-            plan = VisionPlan.build(storage, model_cls, "probe")
-            with intercept(qc, plan):
-                method = qc.get_quant_method(layer, PROBE_LAYER)
-        else:
-            method = qc.get_quant_method(layer, prefix=PROBE_LAYER)
+        method = method_at_construction(model_cls, qc, layer)
     except Exception as exc:  # noqa: BLE001 - e.g. a kernel check refusing the stand-in
         return decision.Verdict(decision.State.UNDETERMINED, f"probe failed in get_quant_method: {type(exc).__name__}: {exc}")
     name = type(method).__name__

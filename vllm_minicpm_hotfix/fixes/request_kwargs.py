@@ -50,9 +50,6 @@ The decision
 ``{"slice_mode": "false"}`` whose ``_cached_apply_hf_processor`` (the pixel work) raises a sentinel: ``broken`` if
 the request reaches it (stock vLLM 0.22-0.33), ``correct`` if a ``ValueError`` refuses it first, ``undetermined`` on
 anything else, ``unrecognised`` if the class or method is not there.
-
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`). Nothing here imports vLLM, torch or transformers at import
-time.
 """
 
 from __future__ import annotations
@@ -65,25 +62,16 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
+from ._base import EVERY_CALL, PROCESSOR_CLASS, V46, V47, Call, Refusal, model_of, on_import, wrap
 from . import _mm_prompt as mp
 
 NAME = "request_kwargs"
 LABEL = "request mm_processor_kwargs validation and per-item budget (HTTP 400 before any pixel work)"
-PROCESSOR_CLASS = "MiniCPMV4_6MultiModalProcessor"
 BUDGET_MODULE = "vllm.multimodal.encoder_budget"
 BUDGET_TARGET = f"{BUDGET_MODULE}:compute_mm_encoder_budget"
-#: The processor's ``apply`` and ``__init__``, and the recorder on vLLM's ``compute_mm_encoder_budget``: set with
-#: the others if vLLM has imported :data:`BUDGET_MODULE` (the model module does not need it), else when vLLM imports
-#: it, not by importing it now: vLLM reads the function as a module global at call time, and builds its first
-#: ``MultiModalBudget`` only after that import.
-PATCHES = {
-    f"{PROCESSOR_CLASS}.apply": lambda old, _: wrap_apply(old),
-    f"{PROCESSOR_CLASS}.__init__": lambda old, _: wrap_init(old),
-    BUDGET_TARGET: _base.on_import(lambda old, _: wrap_compute_budget(old) if callable(old) else None,
-                                   without="the item limit is max_model_len alone"),
-}
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
+MODELS = (V46, V47)
+#: Its budget reads transformers' sizing as the prompt fixes leave it.
+AFTER = ("processor_downsample_mode", "mm_placeholders")
 
 #: The sizing keys a request may set (transformers' ``MiniCPMV4_6ImageProcessorKwargs``), with their type.
 SIZING: dict[str, type] = {
@@ -117,14 +105,15 @@ TOKEN_WINDOW = 4
 _MODEL_CHECKED_ATTR = "_vllm_minicpm_hotfix_model_kwargs_checked"
 
 
-class RequestKwargsError(ValueError):
+class RequestKwargsError(Refusal):
     """A request's (or the model's) MiniCPM-V processor kwargs or item are refused (a ``ValueError``: HTTP 400).
 
     Attributes: ``kwarg`` (the key, e.g. ``"mm_processor_kwargs.slice_mode"``, or ``"image[0]"`` for an item),
-    ``value`` (what was given)."""
+    ``value`` (what was given), ``cause`` (``not_an_object``, ``wrong_type``, ``fixed_key``, ``unsupported``,
+    ``out_of_range``, ``too_large``, ``model_level``: the ``/metrics`` label)."""
 
-    def __init__(self, message: str, *, kwarg: str, value: Any = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, kwarg: str, value: Any = None, cause: str = "out_of_range") -> None:
+        super().__init__(message, cause=cause)
         self.kwarg, self.value = kwarg, value
 
 
@@ -206,7 +195,7 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
         return
     if not isinstance(kwargs, Mapping):
         raise RequestKwargsError(f"{model}: {where} must be an object, got {type(kwargs).__name__} {kwargs!r}",
-                                 kwarg=where, value=kwargs)
+                                 kwarg=where, value=kwargs, cause="not_an_object")
     fixed = geometry.get("fixed") or fixed_keys()
     allowed = rules(geometry)
     for key, value in kwargs.items():
@@ -215,7 +204,7 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
             if not isinstance(value, Mapping):
                 raise RequestKwargsError(
                     f"{model}: {name} = {value!r} is refused: it must be an object of "
-                    f"{SCOPES[key]} processor kwargs", kwarg=name, value=value)
+                    f"{SCOPES[key]} processor kwargs", kwarg=name, value=value, cause="not_an_object")
             check_kwargs(value, geometry, model, where=name, model_level=model_level)
             continue
         if key in fixed:
@@ -223,17 +212,18 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
                 f"{model}: {name} = {value!r} is refused: {key} is fixed by the model "
                 f"({'the checkpoint' if model_level else 'the server'} was built with its own value; "
                 f"{'--mm-processor-kwargs' if model_level else 'a request'} may set only {sorted(SIZING)})",
-                kwarg=name, value=value)
+                kwarg=name, value=value, cause="fixed_key")
         if key not in SIZING:
             continue
         if key == "downsample_mode" and not geometry.get("has_downsample_mode", True):
             raise RequestKwargsError(f"{model}: {name} = {value!r} is refused: the installed transformers' image "
-                                     "processor has no downsample_mode", kwarg=name, value=value)
+                                     "processor has no downsample_mode", kwarg=name, value=value,
+                                     cause="unsupported")
         want = SIZING[key]
         if not _is(value, want):
             raise RequestKwargsError(
                 f"{model}: {name} = {value!r} ({type(value).__name__}) is refused: it must be {allowed[key]}",
-                kwarg=name, value=value)
+                kwarg=name, value=value, cause="wrong_type")
         if geometry.get("types_only"):
             continue
         bad = False
@@ -302,23 +292,18 @@ def effective(processor: Any, request: Mapping[str, Any] | None, modality: str) 
 ENCODER_CACHE_SIZE: list[int] = []
 
 
-def wrap_compute_budget(original: Any) -> Any:
-    """Wrap ``vllm.v1.core.encoder_cache_manager.compute_mm_encoder_budget(scheduler_config, mm_max_toks_per_item)
+def compute_budget(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``vllm.v1.core.encoder_cache_manager.compute_mm_encoder_budget(scheduler_config, mm_max_toks_per_item)
     -> (compute budget, cache size)`` as ``vllm.multimodal.encoder_budget`` calls it (0.22-0.33): records the cache
     size in :data:`ENCODER_CACHE_SIZE`; returns vLLM's result unchanged."""
-
-    @functools.wraps(original)
-    def compute_mm_encoder_budget(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        try:
-            size = int(result[1])
-            if size > 0:
-                ENCODER_CACHE_SIZE[:] = [size]
-        except Exception:  # noqa: BLE001 - a result of another shape: nothing recorded
-            pass
-        return result
-
-    return compute_mm_encoder_budget
+    result = wrapped(*args, **kwargs)
+    try:
+        size = int(result[1])
+        if size > 0:
+            ENCODER_CACHE_SIZE[:] = [size]
+    except Exception:  # noqa: BLE001 - a result of another shape: nothing recorded
+        pass
+    return result
 
 
 def item_limit(processor: Any) -> dict[str, Any]:
@@ -427,12 +412,13 @@ def check_items(processor: Any, items: Any, request: Mapping[str, Any] | None, m
                 f"{model}: {modality} item {idx} of this request ({size} pixels, processed with {shown}) would "
                 f"produce {tokens} vision tokens from {pixels} pixels per channel, more than one item may: at most "
                 f"{limit['tokens']} tokens ({limit['why']}) and {limit['pixels']} pixels; it is refused before any "
-                f"resizing. {_fit_hint(ip, hw_list, eff, limit)}", kwarg=f"{modality}[{idx}]", value=tokens)
+                f"resizing. {_fit_hint(ip, hw_list, eff, limit)}", kwarg=f"{modality}[{idx}]", value=tokens,
+                cause="too_large")
     if total > max_model_len:
         raise RequestKwargsError(
             f"{model}: the images and videos of this request would produce {total} vision tokens, more than "
             f"max_model_len {max_model_len}; send fewer or smaller items (or a smaller max_slice_nums)",
-            kwarg="mm_processor_kwargs", value=total)
+            kwarg="mm_processor_kwargs", value=total, cause="too_large")
 
 
 def _count(items: Any, modality: str) -> int:
@@ -477,19 +463,20 @@ def check_model_level(processor: Any, model: str) -> None:
             try:
                 check_kwargs({key: value}, geometry, model, where=where, model_level=True)
             except RequestKwargsError as exc:
+                exc.cause = "model_level"  # the server's own configuration, refused at start-up
                 refused.append(exc)
         if len(refused) == 1:
             raise refused[0]
         if refused:
             each = "; ".join(str(exc).removeprefix(f"{model}: ") for exc in refused)
             raise RequestKwargsError(f"{model}: {len(refused)} of {where} are refused: {each}",
-                                     kwarg=refused[0].kwarg, value=refused[0].value)
+                                     kwarg=refused[0].kwarg, value=refused[0].value, cause="model_level")
     processor.__dict__[_MODEL_CHECKED_ATTR] = True
 
 
 def check_request(processor: Any, inputs: Any) -> None:
     """All the checks of the module docstring for one call of ``apply`` (raises :class:`RequestKwargsError`)."""
-    model = _base.model_of(processor) or "MiniCPM-V"
+    model = model_of(processor) or "MiniCPM-V"
     check_model_level(processor, model)
     request = dict(getattr(inputs, "hf_processor_mm_kwargs", None) or {})
     if request:
@@ -500,40 +487,36 @@ def check_request(processor: Any, inputs: Any) -> None:
         check_items(processor, getattr(inputs, "mm_data_items", None), request, model)
 
 
-def wrap_apply(original: Any) -> Any:
-    """Wrap ``BaseMultiModalProcessor.apply(self, inputs: ProcessorInputs, timing_ctx) -> MultiModalInput``: runs
-    :func:`check_request` first for the members in :data:`MODELS`, then vLLM's own method unchanged. Raises
-    :class:`RequestKwargsError` (``ValueError``)."""
-    bind = _base.binder(original)
-
-    @functools.wraps(original)
-    def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _base.covers(MODELS, self):
-            try:
-                inputs = bind(self, *args, **kwargs).get("inputs")
-            except TypeError:
-                inputs = None
-            if inputs is not None:
-                check_request(self, inputs)
-        return original(self, *args, **kwargs)
-
-    return apply
+def checked_apply(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``BaseMultiModalProcessor.apply(self, inputs: ProcessorInputs, timing_ctx) -> MultiModalInput``:
+    :func:`check_request` first, then vLLM's own method unchanged. Raises :class:`RequestKwargsError`
+    (``ValueError``)."""
+    inputs = call.get("inputs")
+    if inputs is not None:
+        check_request(instance, inputs)
+    return wrapped(*call.args, **call.kwargs)
 
 
-def wrap_init(original: Any) -> Any:
-    """Wrap ``BaseMultiModalProcessor.__init__(self, info, dummy_inputs, *, cache=None)`` (vLLM's
+def init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
+    """Around ``BaseMultiModalProcessor.__init__(self, info, dummy_inputs, *, cache=None)`` (vLLM's
     ``vllm/multimodal/processing``, inherited by ``MiniCPMV4_6MultiModalProcessor``; built by
     ``MULTIMODAL_REGISTRY.create_processor`` in every process that processes or profiles requests): vLLM's own
-    ``__init__`` first, then :func:`check_model_level` for the members in :data:`MODELS`. Raises
-    :class:`RequestKwargsError` (``ValueError``) for bad model-level ``--mm-processor-kwargs``."""
+    ``__init__`` first, then :func:`check_model_level`. Raises :class:`RequestKwargsError` (``ValueError``) for bad
+    model-level ``--mm-processor-kwargs``."""
+    wrapped(*args, **kwargs)
+    check_model_level(instance, model_of(instance) or "MiniCPM-V")
 
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        if _base.covers(MODELS, self):
-            check_model_level(self, _base.model_of(self) or "MiniCPM-V")
 
-    return __init__
+#: The processor's ``apply`` and ``__init__``, and the recorder on vLLM's ``compute_mm_encoder_budget`` (every
+#: model's; it only records): set with the others if vLLM has imported :data:`BUDGET_MODULE` (the model module does
+#: not need it), else when vLLM imports it, not by importing it now -- vLLM reads the function as a module global at
+#: call time, and builds its first ``MultiModalBudget`` only after that import.
+PATCHES = {
+    f"{PROCESSOR_CLASS}.apply": wrap(checked_apply, bind=True),
+    f"{PROCESSOR_CLASS}.__init__": wrap(init),
+    BUDGET_TARGET: on_import(lambda old, _: wrap(compute_budget, model=EVERY_CALL) if callable(old) else None,
+                             without="the item limit is max_model_len alone"),
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------

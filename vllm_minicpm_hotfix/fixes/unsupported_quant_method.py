@@ -1,32 +1,38 @@
-"""The fix: one clear start-up error for a MiniCPM-V 4.6 checkpoint quantized with a method this vLLM lacks.
+"""One clear start-up error for a MiniCPM-V 4.6 checkpoint quantized with a method this vLLM lacks.
 
+What breaks
+-----------
 vLLM 0.27 removed bitsandbytes; a ``MiniCPM-V-4.6-BNB`` checkpoint (``quantization_config.quant_method ==
 "bitsandbytes"``) then stops ``ModelConfig`` with ``Unknown quantization method: bitsandbytes. Must be one of [...
-thirty names ...]``, which says neither what the checkpoint is nor what would load. This wraps
-``vllm.config.model.ModelConfig._verify_quantization`` (where that error is raised, 0.22-0.33): when it fails for a
-MiniCPM-V 4.6 / 4.7 checkpoint whose ``quant_method`` this vLLM does not know, it raises one ``ValueError`` naming
-the checkpoint, its ``quant_method`` and the layouts that do load here. Any other outcome is vLLM's, unchanged.
+thirty names ...]``, which says neither what the checkpoint is nor what would load.
 
-vLLM imports the model module (and so runs the post-import hook) inside ``ModelConfig.__post_init__`` -- the
-multimodal registry resolves the model class -- before it calls ``_verify_quantization``, so the wrapper is in place
-for the very ``ModelConfig`` that reads the checkpoint.
+What the fix does
+-----------------
+It wraps ``vllm.config.model.ModelConfig._verify_quantization`` (where that error is raised, 0.22-0.33): when it
+fails for a MiniCPM-V 4.6 / 4.7 checkpoint whose ``quant_method`` this vLLM does not know, it raises one
+``ValueError`` naming the checkpoint, its ``quant_method`` and the layouts that do load here. Any other outcome, and
+any other model's, is vLLM's, unchanged. vLLM imports the model module (and so runs the post-import hook) inside
+``ModelConfig.__post_init__`` -- the multimodal registry resolves the model class -- before it calls
+``_verify_quantization``, so the wrapper is in place for the very ``ModelConfig`` that reads the checkpoint.
+
+The decision
+------------
+:func:`probe`: ``broken`` where the installed vLLM's quantization registry lacks ``bitsandbytes``, ``correct`` where
+it has it or where this fix's wrapper is in place, ``unrecognised`` where ``_verify_quantization`` is not there.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from .. import decision
-from . import _base
+from ._base import V46, V47, patched_by, resolve, wrap
 
 NAME = "unsupported_quant_method"
 LABEL = "quantization method check"
 TARGET = "vllm.config.model:ModelConfig._verify_quantization"
-PATCHES = {TARGET: lambda old, _: wrap_verify(old)}
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
+MODELS = (V46, V47)
 #: Matters only for these checkpoints: doctor reports it unapplied as WARN, not FAIL (``doctor --model`` judges a
 #: given checkpoint).
 SCOPE = "quantized checkpoints"
@@ -59,7 +65,7 @@ def _member(hf_config: Any) -> str:
     ``MiniCPMV4_7*`` / ``minicpmv4_7``, else "MiniCPM-V 4.6"."""
     names = [str(a) for a in getattr(hf_config, "architectures", None) or ()]
     names.append(str(getattr(hf_config, "model_type", "") or ""))
-    return "MiniCPM-V 4.7" if any("4_7" in n for n in names) else "MiniCPM-V 4.6"
+    return V47 if any("4_7" in n for n in names) else V46
 
 
 def _quant_cfg(model_config: Any) -> dict | None:
@@ -70,7 +76,7 @@ def _quant_cfg(model_config: Any) -> dict | None:
     return None
 
 
-def explain(model: str, method: str, known: list[str], version: str, member: str = "MiniCPM-V 4.6") -> str:
+def explain(model: str, method: str, known: list[str], version: str, member: str = V46) -> str:
     """The message: the checkpoint, its ``quant_method``, that this vLLM lacks it, and what loads instead."""
     return (
         f"{member} checkpoint {model} is quantized with quant_method={method!r} (its config.json "
@@ -81,33 +87,34 @@ def explain(model: str, method: str, known: list[str], version: str, member: str
     )
 
 
-def wrap_verify(original: Callable) -> Callable:
-    """``ModelConfig._verify_quantization`` that re-raises vLLM's error for an unknown method with :func:`explain`."""
+def checkpoint_member(model_config: Any, *_: Any) -> str | None:
+    """The family member a ``ModelConfig``'s checkpoint is (the class policy's subject), or None for other models."""
+    hf_config = getattr(model_config, "hf_config", None)
+    return _member(hf_config) if _is_minicpm(hf_config) else None
 
-    @functools.wraps(original)
-    def _verify_quantization(self: Any, *args: Any, **kwargs: Any) -> Any:
+
+def verify_quantization(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``ModelConfig._verify_quantization(self)``: vLLM's error for an unknown method re-raised with
+    :func:`explain`; anything else as vLLM answers."""
+    try:
+        return wrapped(*args, **kwargs)
+    except Exception as exc:
         try:
-            return original(self, *args, **kwargs)
-        except Exception as exc:
-            try:
-                cfg = _quant_cfg(self)
-                method = str((cfg or {}).get("quant_method", "") or "")
-                known = known_methods()
-                relevant = (
-                    bool(method) and method not in known and method in str(exc)
-                    and _is_minicpm(getattr(self, "hf_config", None))
-                )  # fmt: skip
-            except Exception:  # noqa: BLE001 - explaining must never hide vLLM's own error
-                relevant = False
-            if not relevant:
-                raise
-            from ..record import installed_vllm_version
+            cfg = _quant_cfg(instance)
+            method = str((cfg or {}).get("quant_method", "") or "")
+            known = known_methods()
+            relevant = bool(method) and method not in known and method in str(exc)
+        except Exception:  # noqa: BLE001 - explaining must never hide vLLM's own error
+            relevant = False
+        if not relevant:
+            raise
+        from ..record import installed_vllm_version
 
-            raise ValueError(explain(str(getattr(self, "model", "?")), method, known, installed_vllm_version(),
-                                     _member(getattr(self, "hf_config", None)))) from exc
+        raise ValueError(explain(str(getattr(instance, "model", "?")), method, known, installed_vllm_version(),
+                                 checkpoint_member(instance))) from exc
 
-    _verify_quantization.__wrapped__ = original
-    return _verify_quantization
+
+PATCHES = {TARGET: wrap(verify_quantization, model=checkpoint_member)}
 
 
 def probe(module: ModuleType) -> decision.Verdict:
@@ -115,10 +122,10 @@ def probe(module: ModuleType) -> decision.Verdict:
     fails with vLLM's generic unknown-method error), ``CORRECT`` where it has it or where this fix's wrapper is in
     place. Never raises."""
     try:
-        owner = _base.resolve(module, TARGET)
+        owner = resolve(module, TARGET)
         if owner is None:
             return decision.Verdict(decision.State.UNRECOGNISED, f"{TARGET} not found")
-        if _base.patched_by(*owner) == NAME:
+        if patched_by(*owner) == NAME:
             return decision.Verdict(decision.State.CORRECT, "unknown quantization methods of 4.6 checkpoints are explained")
         known = known_methods()
     except Exception as exc:  # noqa: BLE001

@@ -29,30 +29,22 @@ The decision
 media kwargs) and compares it with ``VideoMediaIO``'s default ``num_frames``: ``broken`` if it profiles fewer frames
 than the loader loads (0.22-0.33: 16 < 32), ``correct`` otherwise, ``undetermined`` if the loader's default cannot be
 read or the stand-in cannot run, ``unrecognised`` if the class or method is not there.
-
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
-:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
 
-import sys
-import functools
 import inspect
 import types
-from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
+from ._base import INFO_CLASS, V46, V47, Call, wrap
 
 NAME = "video_budget"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "video encoder budget (frames profiled = frames loaded)"
-INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
+MODELS = (V46, V47)
 METHOD = "get_num_frames_with_most_features"
-PATCHES = {f"{INFO_CLASS}.{METHOD}": lambda old, _: wrap_get_num_frames(old)}
 
 PROBE_SEQ_LEN = 100_000
 
@@ -85,24 +77,20 @@ def loader_frames(info: Any) -> int | None:
     return frames if frames > 0 else None
 
 
-def wrap_get_num_frames(original: Any) -> Any:
-    """Wrap ``get_num_frames_with_most_features(self, seq_len: int, mm_counts: Mapping[str, int]) -> int`` (frames
+def get_num_frames(wrapped: Any, instance: Any, call: Call) -> int:
+    """Around ``get_num_frames_with_most_features(self, seq_len: int, mm_counts: Mapping[str, int]) -> int`` (frames
     per video to budget for; see the module docstring). Never returns less than vLLM's own answer."""
+    frames = wrapped(*call.args, **call.kwargs)
+    want = loader_frames(instance)
+    if want is None or frames >= want:
+        return frames
+    mm_counts = call["mm_counts"]
+    image_tokens = instance.get_max_image_tokens() * mm_counts.get("image", 0)
+    fit = instance.get_max_video_frames(call["seq_len"] - image_tokens) // max(mm_counts.get("video", 0), 1)
+    return max(frames, min(want, fit))
 
-    @functools.wraps(original)
-    def get_num_frames_with_most_features(self: Any, seq_len: int, mm_counts: Mapping[str, int],
-                                          *args: Any, **kwargs: Any) -> int:
-        frames = original(self, seq_len, mm_counts, *args, **kwargs)
-        if not _base.covers(sys.modules[__name__], self):
-            return frames
-        want = loader_frames(self)
-        if want is None or frames >= want:
-            return frames
-        image_tokens = self.get_max_image_tokens() * mm_counts.get("image", 0)
-        fit = self.get_max_video_frames(seq_len - image_tokens) // max(mm_counts.get("video", 0), 1)
-        return max(frames, min(want, fit))
 
-    return get_num_frames_with_most_features
+PATCHES = {f"{INFO_CLASS}.{METHOD}": wrap(get_num_frames, bind=True)}
 
 
 def probe(module: ModuleType) -> Verdict:

@@ -18,8 +18,8 @@ Wraps ``MiniCPMV4_6MultiModalProcessor._recompute_cached_prompt_update``: after 
 (text, or token ids with ``<|video_pad|>`` selected). Updates without the prefix (``use_image_id: false``) and other
 modalities are left as vLLM made them.
 
-The probe
----------
+The decision
+------------
 Resolves the installed ``_get_prompt_updates`` for one video (stand-ins over a real transformers processor and a
 tiny tokenizer, as :mod:`.mm_placeholders` does), hands the update to the installed
 ``_recompute_cached_prompt_update`` with a new index 1 and reads the index back: ``broken`` if it is still 0,
@@ -28,23 +28,19 @@ tiny tokenizer, as :mod:`.mm_placeholders` does), hands the update to the instal
 
 from __future__ import annotations
 
-import functools
-import sys
 from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
 from . import _mm_prompt as mp
+from . import _stand_ins
+from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, Call, wrap
 
 NAME = "video_image_id_cache"
 LABEL = "cached video <image_id> index"
-PROC_CLASS = "MiniCPMV4_6MultiModalProcessor"
-PATCHES = {f"{PROC_CLASS}._recompute_cached_prompt_update":
-           lambda old, _: wrap_recompute_cached_prompt_update(old, sys.modules[__name__])}
 #: 4.6 only: 4.7's videos carry no local id (``MiniCPMV4_7Processor._prepend_local_ids`` returns them unchanged,
 #: vLLM's ``MiniCPMV4_7MultiModalProcessor._video_local_id_prefix`` is ""), so there is no index to renumber.
-MODELS = ("MiniCPM-V 4.6",)
+MODELS = (V46,)
 
 
 def _text_of(tokenizer: Any, full: Any) -> str:
@@ -63,31 +59,24 @@ def _details(tokenizer: Any, like: Any, text: str) -> Any:
     return PromptUpdateDetails.select_token_ids(ids, tokenizer.encode(video_token, add_special_tokens=False))
 
 
-def wrap_recompute_cached_prompt_update(original: Any, fix: Any) -> Any:
-    """``MiniCPMV4_6MultiModalProcessor._recompute_cached_prompt_update(self, cached_update: ResolvedPromptUpdate,
-    new_item_idx: int) -> ResolvedPromptUpdate``: vLLM's own, then a video's ``<image_id>`` index rewritten from
-    ``cached_update.item_idx`` to ``new_item_idx`` (see the module docstring). Instances ``fix`` does not cover (:func:`._base.covers`) get vLLM's own."""
-    bind = _base.binder(original)
+def recompute_cached_prompt_update(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``MiniCPMV4_6MultiModalProcessor._recompute_cached_prompt_update(self, cached_update:
+    ResolvedPromptUpdate, new_item_idx: int) -> ResolvedPromptUpdate``: vLLM's own, then a video's ``<image_id>``
+    index rewritten from ``cached_update.item_idx`` to ``new_item_idx`` (see the module docstring)."""
+    new_update = wrapped(*call.args, **call.kwargs)
+    cached, new_idx = call["cached_update"], int(call["new_item_idx"])
+    if getattr(cached, "modality", None) != "video" or cached.item_idx == new_idx:
+        return new_update
+    tokenizer = instance.info.get_tokenizer()
+    hf = _ids(tokenizer)
+    old_prefix, new_prefix = mp.id_prefix(hf, cached.item_idx), mp.id_prefix(hf, new_idx)
+    text = _text_of(tokenizer, new_update.content.full)
+    if old_prefix not in text:  # already rewritten by vLLM, or no ids (use_image_id: false)
+        return new_update
+    return new_update.with_content(_details(tokenizer, new_update.content, text.replace(old_prefix, new_prefix, 1)))
 
-    @functools.wraps(original)
-    def _recompute_cached_prompt_update(self: Any, *args: Any, **kwargs: Any) -> Any:
-        new_update = original(self, *args, **kwargs)
-        if not _base.covers(fix, self):
-            return new_update
-        a = bind(self, *args, **kwargs)
-        cached, new_idx = a["cached_update"], int(a["new_item_idx"])
-        if getattr(cached, "modality", None) != "video" or cached.item_idx == new_idx:
-            return new_update
-        tokenizer = self.info.get_tokenizer()
-        hf = _ids(tokenizer)
-        old_prefix, new_prefix = mp.id_prefix(hf, cached.item_idx), mp.id_prefix(hf, new_idx)
-        text = _text_of(tokenizer, new_update.content.full)
-        if old_prefix not in text:  # already rewritten by vLLM, or no ids (use_image_id: false)
-            return new_update
-        return new_update.with_content(_details(tokenizer, new_update.content, text.replace(old_prefix, new_prefix, 1)))
 
-    _recompute_cached_prompt_update.__vllm_minicpm_hotfix_original__ = original
-    return _recompute_cached_prompt_update
+PATCHES = {f"{PROCESSOR_CLASS}._recompute_cached_prompt_update": wrap(recompute_cached_prompt_update, bind=True)}
 
 
 def _ids(tokenizer: Any) -> Any:
@@ -103,11 +92,11 @@ def _ids(tokenizer: Any) -> Any:
 def probe(module: ModuleType) -> Verdict:
     """Whether the installed processor renumbers a cached video's ``<image_id>`` (see the module docstring). Never
     raises; leaves ``module`` unchanged."""
-    proc_cls = getattr(module, PROC_CLASS, None)
-    info_cls = getattr(module, "MiniCPMV4_6ProcessingInfo", None)
+    proc_cls = getattr(module, PROCESSOR_CLASS, None)
+    info_cls = getattr(module, INFO_CLASS, None)
     if not isinstance(proc_cls, type) or not callable(getattr(proc_cls, "_recompute_cached_prompt_update", None)):
         return Verdict(
-            State.UNRECOGNISED, f"{module.__name__} has no {PROC_CLASS}._recompute_cached_prompt_update",
+            State.UNRECOGNISED, f"{module.__name__} has no {PROCESSOR_CLASS}._recompute_cached_prompt_update",
             applicable=False,
         )
     try:
@@ -118,10 +107,10 @@ def probe(module: ModuleType) -> Verdict:
 
         from ._proxies import ModeDefaultingImageProcessor
 
-        native = mp.stand_in_hf_processor()
+        native = _stand_ins.hf_processor()
         view = ModeDefaultingImageProcessor(native.image_processor)
-        info = mp.stand_in_info(info_cls, native, image_processor=view)
-        proc = mp.stand_in_processor(proc_cls, info)
+        info = _stand_ins.info(info_cls, native, image_processor=view)
+        proc = _stand_ins.processor(proc_cls, info)
         video = np.zeros((1, 28, 28, 3), dtype=np.uint8)
         items = MultiModalDataItems({"video": VideoProcessorItems([video])})
         updates = proc._get_prompt_updates(items, {}, MultiModalKwargsItems({}))
@@ -136,7 +125,7 @@ def probe(module: ModuleType) -> Verdict:
     try:
         after = _text_of(tok, proc._recompute_cached_prompt_update(resolved, 1).content.full)
     except Exception as exc:
-        return Verdict(State.BROKEN, f"{PROC_CLASS}._recompute_cached_prompt_update raises {type(exc).__name__}: {exc}")
+        return Verdict(State.BROKEN, f"{PROCESSOR_CLASS}._recompute_cached_prompt_update raises {type(exc).__name__}: {exc}")
     if mp.id_prefix(native, 1) in after and mp.id_prefix(native, 0) not in after:
         return Verdict(State.CORRECT, "a cached video moved to index 1 is renumbered <image_id>1</image_id>")
     return Verdict(

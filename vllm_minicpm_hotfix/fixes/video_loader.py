@@ -35,8 +35,6 @@ to the installed ``get_video_loader_backend_for_processor``: ``broken`` if that 
 ``correct`` and not applicable where vLLM chooses no video loader by processor name at all (0.22: no
 ``_cached_get_video_processor_cls_name`` or no ``get_video_loader_backend_for_processor``).
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
-:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
+from ._base import V46, V47, wrap
 
 NAME = "video_loader"
 LABEL = "video loader look-up without a video_processor_type (video_url requests)"
@@ -58,18 +57,19 @@ PROCESSOR_MODULE = "vllm.transformers_utils.processor"
 VIDEO_MODULE = "vllm.multimodal.video"
 CACHED = "_cached_get_video_processor_cls_name"
 BACKEND = "get_video_loader_backend_for_processor"
-PATCHES = {f"{PROCESSOR_MODULE}:{CACHED}": lambda old, _: _wrap_if_chosen_by_name(old)}
-#: vLLM 0.24-0.31 have no 4.7 model; 4.7's releases (0.32+) read the dict themselves.
-MODELS = ("MiniCPM-V 4.6",)
+#: 4.7 on 0.24-0.30 is the hotfix's backport, whose video_url requests take the same look-up; 0.32+ read the dict
+#: themselves.
+MODELS = (V46, V47)
 #: ``config.json`` ``model_type`` -> family member.
-MODEL_TYPES = {"minicpmv4_6": "MiniCPM-V 4.6", "minicpmv4_7": "MiniCPM-V 4.7"}
+MODEL_TYPES = {"minicpmv4_6": V46, "minicpmv4_7": V47}
 #: The entry of transformers' dict vLLM 0.32 reads.
 DICT_KEY = "torchvision"
 
 
+@functools.lru_cache(maxsize=64)
 def model_type_of(processor_name: str, revision: str | None) -> str | None:
     """The ``model_type`` of the checkpoint's ``config.json`` read as vLLM reads it (``get_hf_file_to_dict``), or
-    None when it cannot be read."""
+    None when it cannot be read. Read once per checkpoint, as vLLM's own look-up is cached."""
     try:
         from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
         from vllm.transformers_utils.utils import convert_model_repo_to_path
@@ -80,24 +80,19 @@ def model_type_of(processor_name: str, revision: str | None) -> str | None:
     return config.get("model_type") if isinstance(config, dict) else None
 
 
-def wrap_cached(original: Any) -> Any:
-    """Wrap ``_cached_get_video_processor_cls_name(processor_name, revision="main") -> str | None`` (see the module
-    docstring); the ``lru_cache``'s ``cache_info`` / ``cache_clear`` stay reachable on the wrapper."""
+def checkpoint_member(_: Any, args: tuple, kwargs: dict) -> str | None:
+    """The family member the checkpoint of a ``_cached_get_video_processor_cls_name(processor_name, revision="main")``
+    call is (the class policy's subject), or None for other models."""
+    processor_name = kwargs.get("processor_name", args[0] if args else None)
+    revision = kwargs.get("revision", args[1] if len(args) > 1 else "main")
+    return MODEL_TYPES.get(model_type_of(str(processor_name), revision))
 
-    @functools.wraps(original)
-    def _cached_get_video_processor_cls_name(processor_name: Any, *args: Any, **kwargs: Any) -> Any:
-        name = original(processor_name, *args, **kwargs)
-        if not isinstance(name, dict):
-            return name
-        revision = kwargs.get("revision", args[0] if args else "main")
-        if MODEL_TYPES.get(model_type_of(processor_name, revision)) not in MODELS:
-            return name
-        return name.get(DICT_KEY)
 
-    for attr in ("cache_info", "cache_clear"):
-        if hasattr(original, attr):
-            setattr(_cached_get_video_processor_cls_name, attr, getattr(original, attr))
-    return _cached_get_video_processor_cls_name
+def cached_video_processor_name(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``_cached_get_video_processor_cls_name(processor_name, revision="main") -> str | None`` (see the module
+    docstring): the dict's ``"torchvision"`` entry where vLLM's answer is a dict."""
+    name = wrapped(*args, **kwargs)
+    return name.get(DICT_KEY) if isinstance(name, dict) else name
 
 
 def _targets() -> tuple[ModuleType, Any, Any] | None:
@@ -112,12 +107,17 @@ def _targets() -> tuple[ModuleType, Any, Any] | None:
     return processor, cached, backend
 
 
-def _wrap_if_chosen_by_name(original: Any) -> Any:
-    """:data:`PATCHES`' wrapper; ``RuntimeError`` (nothing set) where this vLLM chooses no video loader by processor
+def _if_chosen_by_name(old: Any, _: Any) -> Any:
+    """:data:`PATCHES`' value; ``RuntimeError`` (nothing set) where this vLLM chooses no video loader by processor
     name (:func:`_targets`)."""
     if _targets() is None:
         raise RuntimeError(f"{PROCESSOR_MODULE}.{CACHED} or {VIDEO_MODULE}.{BACKEND} is not there")
-    return wrap_cached(original)
+    return wrap(cached_video_processor_name, model=checkpoint_member)
+
+
+#: vLLM's ``lru_cache``'s ``cache_info`` / ``cache_clear`` stay reachable on the wrapped function (the framework
+#: carries them over).
+PATCHES = {f"{PROCESSOR_MODULE}:{CACHED}": _if_chosen_by_name}
 
 
 def probe(module: ModuleType) -> Verdict:

@@ -23,33 +23,27 @@ The decision
 ------------
 :func:`probe` runs vLLM's own ``MiniCPMV4_6ForConditionalGeneration.__init__`` on a stand-in instance (created
 without ``__init__``; a minimal ``vllm_config``) whose ``_mark_tower_model`` records the modalities of its first call
-and stops construction there (nothing is built). ``broken`` if the vision tower is marked for a set without
-``"video"`` while the model's processing info supports videos (``get_supported_mm_limits``) -- 0.22-0.33;
-``correct`` if ``"video"`` is in it (after the fix: the wrapper on the class reports what it turns vLLM's argument
-into); ``undetermined`` if ``__init__`` cannot reach the call on the stand-in;
-``unrecognised`` if the classes are not there. ``force`` applies wherever ``_mark_tower_model`` exists.
+and stops construction there (nothing is built); then it enters the class's ``_mark_tower_model`` as it now stands
+(vLLM's, or this fix's over it) with those modalities and a multimodal config that records which modalities' limits
+it reads -- the modalities the tower is marked for. ``broken`` if that set lacks ``"video"`` while the model's
+processing info supports videos (``get_supported_mm_limits``) -- 0.22-0.33; ``correct`` if ``"video"`` is in it;
+``undetermined`` if ``__init__`` cannot reach the call on the stand-in; ``unrecognised`` if the classes are not
+there. ``force`` applies wherever ``_mark_tower_model`` exists.
 
-The fix interface (:mod:`vllm_minicpm_hotfix.fixes._base`): ``NAME``, ``LABEL``, ``MODELS``, ``PATCHES``,
-:func:`probe`. Nothing here imports vLLM, torch or transformers at import time.
 """
 
 from __future__ import annotations
 
-import sys
-import functools
 import types
 from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from . import _base
+from ._base import INFO_CLASS, MODEL_CLASS, V46, V47, Call, wrap
 
 NAME = "video_tower"
-MODELS = ("MiniCPM-V 4.6", "MiniCPM-V 4.7")
 LABEL = "vision tower built for video-only serving"
-MODEL_CLASS = "MiniCPMV4_6ForConditionalGeneration"
-INFO_CLASS = "MiniCPMV4_6ProcessingInfo"
-PATCHES = {f"{MODEL_CLASS}._mark_tower_model": lambda old, _: wrap_mark_tower_model(old)}
+MODELS = (V46, V47)
 
 #: The modalities MiniCPM-V 4.6's vision tower encodes.
 TOWER_MODALITIES = frozenset({"image", "video"})
@@ -59,23 +53,19 @@ def _as_set(modalities: Any) -> set[str]:
     return {modalities} if isinstance(modalities, str) else set(modalities)
 
 
-def wrap_mark_tower_model(original: Any) -> Any:
-    """Wrap ``SupportsMultiModal._mark_tower_model(self, vllm_config, modalities, *, targets=None)`` (a context
+def mark_tower_model(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``SupportsMultiModal._mark_tower_model(self, vllm_config, modalities, *, targets=None)`` (a context
     manager): ``{"image"}`` becomes ``{"image", "video"}``; returns vLLM's own context manager."""
-
-    @functools.wraps(original)
-    def _mark_tower_model(self: Any, vllm_config: Any, modalities: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _base.covers(sys.modules[__name__], self):
-            return original(self, vllm_config, modalities, *args, **kwargs)
-        return original(self, vllm_config, effective_modalities(modalities), *args, **kwargs)
-
-    _mark_tower_model.effective_modalities = effective_modalities  # what the probe asks of the patched class
-    return _mark_tower_model
+    args, kwargs = call.replaced(modalities=effective_modalities(call["modalities"]))
+    return wrapped(*args[1:], **kwargs)
 
 
 def effective_modalities(modalities: Any) -> Any:
     """``{"image"}`` (or ``"image"``) -> ``{"image", "video"}``; anything else unchanged."""
     return set(TOWER_MODALITIES) if _as_set(modalities) == {"image"} else modalities
+
+
+PATCHES = {f"{MODEL_CLASS}._mark_tower_model": wrap(mark_tower_model, bind=True)}
 
 
 class _Stop(Exception):
@@ -109,6 +99,28 @@ def tower_modalities(module: ModuleType) -> set[str]:
     raise RuntimeError(f"{MODEL_CLASS}.__init__ returned without calling _mark_tower_model")
 
 
+def marked_modalities(cls: type, asked: Any) -> set[str]:
+    """The modalities the class's ``_mark_tower_model`` as it now stands marks a tower for when vLLM's ``__init__``
+    asks for ``asked``: entered on a stand-in instance with a multimodal config whose every limit is 0, the
+    modalities whose limits it reads (vLLM reads each marked modality's to decide whether to skip the tower)."""
+    from torch import nn
+
+    model = cls.__new__(cls)
+    nn.Module.__init__(model)
+    read: set[str] = set()
+
+    def limit(modality: str) -> int:
+        read.add(modality)
+        return 0
+
+    mm = types.SimpleNamespace(get_limit_per_prompt=limit)
+    model_config = types.SimpleNamespace(multimodal_config=mm, get_multimodal_config=lambda: mm)
+    vllm_config = types.SimpleNamespace(model_config=model_config)
+    with cls._mark_tower_model(model, vllm_config, asked):
+        pass
+    return read
+
+
 def probe(module: ModuleType) -> Verdict:
     """Is the vision tower marked for videos too? (See the module docstring.) Never raises; leaves ``module``
     unchanged."""
@@ -122,11 +134,11 @@ def probe(module: ModuleType) -> Verdict:
     except Exception as exc:  # noqa: BLE001 - an __init__ the stand-in cannot run
         return Verdict(State.UNDETERMINED, f"probe could not run {MODEL_CLASS}.__init__ to its vision tower: "
                                            f"{type(exc).__name__}: {exc}")
-    # The stand-in stops at the call vLLM's __init__ makes; a wrapper on the class (this fix) says what it marks.
-    # The wrapper acts only for the classes the fix covers.
-    transform = getattr(cls._mark_tower_model, "effective_modalities", None) if _base.covers(
-        sys.modules[__name__], cls) else None
-    marked = _as_set(transform(asked)) if callable(transform) else asked
+    try:
+        marked = marked_modalities(cls, asked)
+    except Exception as exc:  # noqa: BLE001
+        return Verdict(State.UNDETERMINED, f"probe could not enter {MODEL_CLASS}._mark_tower_model: "
+                                           f"{type(exc).__name__}: {exc}")
     try:
         supported = set(info_cls.get_supported_mm_limits(object.__new__(info_cls)))
     except Exception:  # noqa: BLE001

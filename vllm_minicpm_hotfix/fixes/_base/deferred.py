@@ -6,8 +6,8 @@ A fix opts in with two attributes::
     DEFER_AT: str                         # the entry point of its code path, a PATCHES target ("Class.__init__")
     def uses_path(*args, **kwargs) -> bool  # for a call of DEFER_AT (self first): does this call take the path?
 
-At hook time (:func:`vllm_minicpm_hotfix.fixes._base.run`, modes ``auto`` and ``force``) such a fix is not probed:
-:func:`defer` sets a *trigger* on ``DEFER_AT`` (through :func:`~vllm_minicpm_hotfix.fixes._base.set_attributes`, so
+At hook time (:func:`.running.run`, modes ``auto`` and ``force``) such a fix is not probed:
+:func:`defer` sets a *trigger* on ``DEFER_AT`` (through :func:`.patching.set_attributes`, so
 revert and a second copy of the package see it) and records the fix as ``deferred`` -- "probed at first use" in
 ``status()`` and ``doctor``. The trigger hands every call that does not take the path (``uses_path`` false) to
 vLLM's own function unchanged. The first call that does take it runs :func:`resolve`: the trigger is removed, the
@@ -30,8 +30,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import decision
-from ..record import FixStatus, current, installed_vllm_version, logger
+from ... import decision
+from ...record import FixStatus, current, installed_vllm_version, logger
+from .deciding import decide_and_apply
+from .patching import has_set, resolve as resolve_target, revert_fix, set_attributes
 
 #: ``VLLM_MINICPM_HOTFIX_PROBES``: ``eager`` probes every fix at import; anything else (default ``lazy``) defers.
 ENV_VAR = "VLLM_MINICPM_HOTFIX_PROBES"
@@ -61,17 +63,15 @@ def is_trigger(value: Any) -> bool:
 
 
 def pending(name: str) -> bool:
-    """Whether the fix ``name`` is deferred and its probe has not run yet in this process."""
-    return name in _PENDING
+    """Whether the fix ``name`` is deferred and its probe has not run yet in this process (its trigger in place)."""
+    return name in _PENDING and has_set(name)
 
 
 def defer(fix: ModuleType, module: ModuleType, mode: decision.Mode) -> FixStatus | None:
     """Set ``fix``'s trigger on ``module`` and record it as pending (see the module docstring); None (nothing set)
     if ``DEFER_AT`` is not in ``module``: the caller probes at once. Raises what
-    :func:`~vllm_minicpm_hotfix.fixes._base.set_attributes` raises (the hook catches it)."""
-    from . import _base
-
-    found = _base.resolve(module, fix.DEFER_AT)
+    :func:`.patching.set_attributes` raises (the hook catches it)."""
+    found = resolve_target(module, fix.DEFER_AT)
     if found is None:  # the entry point is not there: the real probe says what that means, now
         return None
     owner, attr = found
@@ -101,7 +101,7 @@ def defer(fix: ModuleType, module: ModuleType, mode: decision.Mode) -> FixStatus
     entry = FixStatus(name, PENDING, f"{FIRST_USE}: the first {fix.DEFER_AT} that {fix.PATH}", False,
                       f"{FIRST_USE} (mode {mode.value})", label=fix.LABEL,
                       first_use=True)
-    _base.set_attributes(name, [(owner, attr, make)])
+    set_attributes(name, [(owner, attr, make)])
     with _LOCK:
         _PENDING[name] = (fix, module)
     current().fixes[name] = entry
@@ -114,20 +114,18 @@ def resolve(name: str) -> FixStatus | None:
     """Run the deferred fix ``name``'s probe now and apply it or not, as the hook would have at import (see the
     module docstring). Returns its status entry (the same object ``status()`` lists, updated in place); None if
     ``name`` is not pending. Never raises."""
-    from . import _base
-
     with _LOCK:
         found = _PENDING.pop(name, None)
-        if found is None:
+        if found is None or not has_set(name):  # not pending, or its trigger reverted from outside since
             return None
         fix, module = found
         status = current()
         entry = status.fixes.get(name) or FixStatus(name, PENDING, "", False, "", label=fix.LABEL, first_use=True)
         status.fixes[name] = entry
         try:
-            _base.revert_fix(name)  # the trigger goes; the probe sees vLLM's own classes
+            revert_fix(name)  # the trigger goes; the probe sees vLLM's own classes
             mode = decision.Mode(status.mode)
-            _base.decide_and_apply(fix, module, mode, entry)  # per family member, as the hook would have
+            decide_and_apply(fix, module, mode, entry)  # per family member, as the hook would have
             entry.why = f"{entry.why} ({FIRST_USE})"
             if entry.applied:
                 acting = [m for m, row in entry.models.items() if isinstance(row, dict) and row.get("applied")]
@@ -135,7 +133,7 @@ def resolve(name: str) -> FixStatus | None:
                                " and ".join(acting) or "MiniCPM-V", fix.LABEL, os.getpid(), installed_vllm_version(),
                                mode.value, FIRST_USE, entry.why)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a failure here must not break vLLM's model construction
-            _base.revert_fix(name)
+            revert_fix(name)
             entry.verdict, entry.applied, entry.why = "error", False, "hook failed at first use; vLLM left as it was"
             entry.error = f"{type(exc).__name__}: {exc}"
             logger.warning("vllm-minicpm-hotfix: %s failed at first use (%s), vLLM left unpatched: %s", name,
@@ -151,9 +149,3 @@ def resolve_all() -> dict[str, FixStatus]:
         if entry is not None:
             out[name] = entry
     return out
-
-
-def forget(name: str) -> None:
-    """Drop ``name`` from the pending set (its trigger was reverted from outside)."""
-    with _LOCK:
-        _PENDING.pop(name, None)

@@ -1,0 +1,298 @@
+"""What a ``PATCHES`` line declares, and the function the framework builds from it for vLLM to call.
+
+A fix writes only its behaviour. The three kinds of line:
+
+* ``wrap(behaviour)`` -- ``behaviour(wrapped, instance, args, kwargs)``, as a ``wrapt`` wrapper receives them
+  (``wrapped`` bound to ``instance``; ``instance`` None for a module function); with ``bind=True``
+  ``behaviour(wrapped, instance, call)``, ``call`` a :class:`Call` (the arguments by parameter name, bound once per
+  target by :class:`Binding`);
+* ``replace(function)`` -- the fix's function in place of vLLM's;
+* ``attribute(value)`` -- a class data attribute.
+
+:meth:`Patch.build` makes the value that is set, and owns for every fix, once: the class policy (which instances a
+behaviour runs for: :func:`.family.covers`; any other call goes to vLLM's own code unchanged), the argument binding,
+``functools.update_wrapper`` (vLLM's name, docstring and ``__wrapped__``; an ``lru_cache``'s ``cache_info`` /
+``cache_clear``), and coroutine functions. The mark (``__vllm_minicpm_hotfix__``) is set by
+:func:`.patching.set_attributes`. Nothing here imports vLLM, torch or transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from types import MethodType, ModuleType
+from typing import Any
+
+from ... import metrics
+from .family import covers
+
+#: ``model=SELF`` (the default): the instance a method is called on decides, by its own class.
+SELF: Any = type("SELF", (), {"__repr__": lambda self: "SELF"})()
+#: ``model=EVERY_CALL``: the target belongs to no one model (a vLLM function every model calls, a class every member
+#: shares): the behaviour runs for every call.
+EVERY_CALL: Any = type("EVERY_CALL", (), {"__repr__": lambda self: "EVERY_CALL"})()
+#: Attributes of vLLM's value that stay reachable on the built function (``functools.lru_cache``'s).
+CARRIED = ("cache_info", "cache_clear")
+#: Attribute of a built function: the fix's behaviour it runs (what a trace of a request looks for).
+BEHAVIOUR_ATTR = "__vllm_minicpm_hotfix_behaviour__"
+
+
+class Refusal(ValueError):
+    """A fix's refusal of one request (HTTP 400: vLLM's front end answers a ``ValueError`` from its processor so).
+    The framework counts it once, by fix and :attr:`cause`, on vLLM's ``/metrics`` (:mod:`vllm_minicpm_hotfix.metrics`)
+    and raises it on; where :attr:`response` is set (vLLM's own error response, for a method that returns errors
+    rather than raising them) it returns that instead."""
+
+    #: A short fixed word for the kind of refusal (the metric's ``cause`` label; never the request's values).
+    cause = "refused"
+    #: What the wrapped method returns instead of raising, or None.
+    response: Any = None
+
+    def __init__(self, message: str, *, cause: str | None = None, response: Any = None) -> None:
+        super().__init__(message)
+        if cause is not None:
+            self.cause = cause
+        self.response = response
+
+
+class Binding:
+    """The binding of calls of ``function``, computed once: :meth:`bind` gives the arguments passed, by parameter
+    name (defaults not filled in), as ``inspect.signature(function).bind(...).arguments`` gives them, and the same
+    ``TypeError`` where that raises. For a signature of plain and keyword-only parameters (every vLLM method the
+    fixes wrap) the binding is computed here once; any other signature is bound by ``inspect`` on each call."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.signature = sig = inspect.signature(function)
+        params = list(sig.parameters.values())
+        self.simple = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+        self.positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+        self.names = frozenset(sig.parameters)
+        self.required = frozenset(p.name for p in params if p.default is p.empty)
+        self.qualname = getattr(function, "__qualname__", repr(function))
+
+    def bind(self, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if not self.simple:
+            return dict(self.signature.bind(*args, **kwargs).arguments)
+        if len(args) > len(self.positional):
+            raise TypeError(f"{self.qualname}: too many positional arguments")
+        out = dict(zip(self.positional, args))
+        for key, value in kwargs.items():
+            if key not in self.names or key in out:
+                raise TypeError(f"{self.qualname}: unexpected or repeated argument {key!r}")
+            out[key] = value
+        if not self.required <= out.keys():
+            raise TypeError(f"{self.qualname}: missing {sorted(self.required - out.keys())}")
+        return out
+
+
+def binder(function: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
+    """``Binding(function).bind``: the framework's binding, for the tests that pin it against ``inspect``."""
+    return Binding(function).bind
+
+
+class Call(Mapping):
+    """One call of a wrapped method, as a ``bind=True`` behaviour receives it: a mapping of the arguments passed by
+    parameter name (the instance's parameter included, defaults not filled in), plus ``args`` / ``kwargs`` as passed
+    after the instance (to call ``wrapped`` with). :meth:`replaced` gives ``(args, kwargs)`` with some parameters
+    changed, split as ``inspect.BoundArguments`` splits them."""
+
+    __slots__ = ("args", "kwargs", "arguments", "_binding", "_method")
+
+    def __init__(self, args: tuple, kwargs: dict, arguments: dict, binding: Binding, method: bool) -> None:
+        self.args, self.kwargs, self.arguments, self._binding, self._method = args, kwargs, arguments, binding, method
+
+    def __getitem__(self, name: str) -> Any:
+        return self.arguments[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.arguments)
+
+    def __len__(self) -> int:
+        return len(self.arguments)
+
+    @property
+    def parameters(self) -> frozenset[str]:
+        """Every parameter name of the wrapped function's signature."""
+        return self._binding.names
+
+    def replaced(self, **changes: Any) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of this call with ``changes`` (parameter -> value; the instance's parameter too), the
+        instance's own argument included for a method (to call the plain function with)."""
+        bound = inspect.BoundArguments(self._binding.signature, {**self.arguments, **changes})
+        return bound.args, bound.kwargs
+
+
+class Patch:
+    """One ``PATCHES`` value: what a fix declares for a target (see the module docstring). ``model`` decides which
+    calls the behaviour runs for: :data:`SELF`, :data:`EVERY_CALL`, or ``model(instance, args, kwargs)`` returning the
+    subject :func:`.family.covers` judges (a model instance or class, a member's name, or None: vLLM's own code)."""
+
+    __slots__ = ("kind", "behaviour", "bind", "model")
+
+    def __init__(self, kind: str, behaviour: Any, bind: bool = False, model: Any = SELF) -> None:
+        self.kind, self.behaviour, self.bind, self.model = kind, behaviour, bind, model
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {getattr(self.behaviour, '__qualname__', self.behaviour)!r}>"
+
+    def build(self, fix: ModuleType, original: Any, owner: Any, attr: str) -> Any:
+        """The value to set on ``owner.attr`` for ``fix``, over vLLM's ``original`` (None where there is none).
+        Raises ``AttributeError`` for a ``wrap`` with nothing to wrap."""
+        if self.kind == "attribute":
+            return ForMembers(fix, attr, self.behaviour, owner)
+        method = isinstance(owner, type)
+        if self.kind == "wrap" and not callable(original):
+            raise AttributeError(f"{fix.NAME}: nothing to wrap at {getattr(owner, '__name__', owner)}.{attr}")
+        acts = _policy(fix, self.model, method)
+        fn = _built(fix.NAME, self.kind, self.behaviour, original, acts, method,
+                    Binding(original) if self.bind else None)
+        if callable(original):
+            functools.update_wrapper(fn, original)
+            for name in CARRIED:
+                if hasattr(original, name):
+                    setattr(fn, name, getattr(original, name))
+        elif self.kind == "replace":
+            functools.update_wrapper(fn, self.behaviour)
+            del fn.__wrapped__
+        setattr(fn, BEHAVIOUR_ATTR, self.behaviour)
+        return fn
+
+
+def wrap(behaviour: Callable[..., Any], *, bind: bool = False, model: Any = SELF) -> Patch:
+    """A ``PATCHES`` value: vLLM's function or method wrapped by ``behaviour`` for the calls ``model`` selects."""
+    return Patch("wrap", behaviour, bind, model)
+
+
+def replace(function: Callable[..., Any], *, model: Any = SELF) -> Patch:
+    """A ``PATCHES`` value: ``function`` (vLLM's signature) instead of vLLM's own for the calls ``model`` selects;
+    other calls get vLLM's own, or ``AttributeError`` where vLLM has none."""
+    return Patch("replace", function, False, model)
+
+
+def attribute(value: Any) -> Patch:
+    """A ``PATCHES`` value: a class data attribute that is ``value`` for the declared members (:class:`ForMembers`)."""
+    return Patch("attribute", value)
+
+
+def _policy(fix: ModuleType, model: Any, method: bool) -> Callable[[Any, tuple, dict], bool] | None:
+    """None (every call acts) or ``acts(instance, args, kwargs) -> bool``."""
+    if model is EVERY_CALL:
+        return None
+    if model is SELF:
+        if not method:
+            raise TypeError(f"{fix.NAME}: a module function has no instance: say model=EVERY_CALL or a resolver")
+        return lambda instance, args, kwargs: covers(fix, instance)
+
+    def acts(instance: Any, args: tuple, kwargs: dict) -> bool:
+        try:
+            subject = model(instance, args, kwargs)
+        except Exception:  # noqa: BLE001 - a call the resolver cannot read: vLLM's own code
+            return False
+        return covers(fix, subject)
+
+    return acts
+
+
+def _counted(name: str, exc: Refusal) -> Any:
+    """Count ``exc`` once for the fix ``name`` (the innermost fix it passes: the one whose behaviour raised it), then
+    raise it on, or return its ``response``."""
+    if getattr(exc, "_vllm_minicpm_hotfix_counted", False) is False:
+        exc._vllm_minicpm_hotfix_counted = True
+        metrics.refused(name, exc.cause)
+    if exc.response is not None:
+        return exc.response
+    raise exc
+
+
+def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, method: bool,
+           binding: Binding | None) -> Any:
+    """The plain function that runs ``behaviour`` for the calls ``acts`` selects and ``original`` for the others; a
+    :class:`Refusal` from the behaviour is counted for fix ``name``."""
+
+    def own(args: tuple, kwargs: dict) -> Any:
+        if original is None:
+            raise AttributeError(f"{behaviour.__qualname__}: vLLM defines no such attribute for this class")
+        return original(*args, **kwargs)
+
+    def run(args: tuple, kwargs: dict) -> Any:
+        instance, rest = (args[0], args[1:]) if method else (None, args)
+        if acts is not None and not acts(instance, rest, kwargs):
+            return own(args, kwargs)
+        if kind == "replace":
+            return behaviour(*args, **kwargs)
+        wrapped = MethodType(original, instance) if method else original
+        if binding is None:
+            return behaviour(wrapped, instance, rest, kwargs)
+        try:
+            arguments = binding.bind(*args, **kwargs)
+        except TypeError:
+            return own(args, kwargs)
+        return behaviour(wrapped, instance, Call(rest, kwargs, arguments, binding, method))
+
+    if inspect.iscoroutinefunction(original) or inspect.iscoroutinefunction(behaviour):
+        async def coroutine(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await run(args, kwargs)
+            except Refusal as exc:
+                return _counted(name, exc)
+
+        return coroutine
+
+    def function(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(args, kwargs)
+        except Refusal as exc:
+            return _counted(name, exc)
+
+    return function
+
+
+class ForMembers:
+    """A class data attribute that exists only for the members ``fix`` covers: read on such a class or its instance
+    it is ``value``; on any other subclass it is what that class saw without the fix (the attribute of the next class
+    in its MRO after ``owner``), else ``AttributeError``."""
+
+    def __init__(self, fix: ModuleType, attr: str, value: Any, owner: type) -> None:
+        self.fix, self.attr, self.value, self.owner = fix, attr, value, owner
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        cls = cls if cls is not None else type(obj)
+        if covers(self.fix, cls):
+            return self.value
+        mro = list(getattr(cls, "__mro__", ()))
+        for base in mro[mro.index(self.owner) + 1:] if self.owner in mro else ():
+            if self.attr in vars(base):
+                found = vars(base)[self.attr]
+                return found.__get__(obj, cls) if hasattr(found, "__get__") else found
+        raise AttributeError(f"{self.attr} ({self.fix.NAME} does not cover {cls.__name__})")
+
+
+class WeakMemo:
+    """A bounded memo of values computed per request from objects vLLM builds once and keeps (its processors, its
+    tokenizer), for behaviours on the request path. A key names those objects by ``id()``; the entry keeps weak
+    references to them and counts only while they are still those very objects, so an id is never taken for a later
+    object's and nothing is kept alive. Objects that cannot be weakly referenced are not memoised. Cleared when
+    ``limit`` entries are held."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.limit = limit
+        self._entries: dict[Any, tuple[tuple[Any, ...], Any]] = {}
+
+    def get(self, key: Any, objects: tuple[Any, ...] = ()) -> Any:
+        """The value kept for ``key`` and ``objects``, else None. Raises ``TypeError`` for an unhashable key."""
+        hit = self._entries.get(key)
+        if hit is None or any(ref() is not obj for ref, obj in zip(hit[0], objects)):
+            return None
+        return hit[1]
+
+    def put(self, key: Any, objects: tuple[Any, ...], value: Any) -> None:
+        """Keep ``value`` (not None) for ``key`` while ``objects`` live."""
+        try:
+            refs = tuple(weakref.ref(obj) for obj in objects)
+        except TypeError:  # not weakly referenceable: not kept
+            return
+        if len(self._entries) >= self.limit:
+            self._entries.clear()
+        self._entries[key] = (refs, value)
