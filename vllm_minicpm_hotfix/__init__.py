@@ -61,7 +61,9 @@ def status() -> dict:
     """This process's record: ``pid``, ``mode``, ``hook_installed``, ``module_imported``, ``vllm_version`` and, once
     vLLM has imported the model module, every fix of :data:`vllm_minicpm_hotfix.fixes.REGISTRY` by ``NAME`` with its
     ``verdict``, ``reason``, ``applied``, ``why``, ``error``, ``label`` and ``first_use`` (probed at the first use
-    of its code path; ``verdict`` is ``"deferred"`` until then)."""
+    of its code path; ``verdict`` is ``"deferred"`` until then); once vLLM has imported its model registry, every
+    backport of :data:`vllm_minicpm_hotfix.backports.BACKPORTS` under ``backports`` by ``NAME`` with its ``member``,
+    ``verdict`` (``missing`` / ``correct`` / ...), ``reason``, ``registered``, ``why`` and ``error``."""
     from .record import current
 
     return current().as_dict()

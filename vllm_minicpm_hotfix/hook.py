@@ -1,4 +1,5 @@
-"""The activation core: a ``wrapt`` post-import hook on ``vllm.model_executor.models.minicpmv4_6``.
+"""The activation core: a ``wrapt`` post-import hook on ``vllm.model_executor.models.minicpmv4_6`` (the fixes) and
+one on ``vllm.model_executor.models.registry`` (the backports).
 
 :func:`install` registers :func:`on_import` with ``wrapt.register_post_import_hook`` (wrapt's ``importer.py``): it
 runs when vLLM imports the model module, or at once if it is already imported. Every activation path -- the
@@ -17,8 +18,11 @@ from types import ModuleType
 from .record import FixStatus, current, installed_vllm_version, log_summary, logger, summary_line
 
 TARGET_MODULE = "vllm.model_executor.models.minicpmv4_6"
+#: vLLM's model registry module (``ModelRegistry``): the backports (:mod:`vllm_minicpm_hotfix.backports`) register
+#: the architectures a release lacks when it is imported, before vLLM resolves any architecture.
+REGISTRY_MODULE = "vllm.model_executor.models.registry"
 #: The other family members' model modules (``fixes._base.FAMILY``; not imported here, to keep this module light).
-MEMBER_MODULES = ("vllm.model_executor.models.minicpmv4_7",)
+MEMBER_MODULES = ("vllm.model_executor.models.minicpmv4_7", "vllm_minicpm_hotfix.backports.models.minicpmv4_7")
 
 _LOCK = threading.Lock()
 _installed = False
@@ -44,6 +48,7 @@ def on_import(module: ModuleType) -> None:
         logger.info("vllm-minicpm-hotfix: %s imported by %s: the fixes run when that import is complete",
                     module.__name__, ", ".join(waiting))
         return
+    _check_disabled([fix.NAME for fix in REGISTRY])
     for fix in REGISTRY:
         _guarded(fix.NAME, fix.LABEL, lambda m, fix=fix: _base.run(fix, m), module)
     try:
@@ -88,6 +93,36 @@ def on_member_import(member_module: ModuleType) -> None:
                        getattr(member_module, "__name__", "?"), exc, traceback.format_exc())
 
 
+def _check_disabled(known: list[str]) -> None:
+    """One WARNING per process for names ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` lists that no fix has, naming the
+    known fixes (recorded in ``status()["notes"]``); the other fixes are run as usual. Never raises."""
+    try:
+        from .decision import DISABLED_VAR, disabled_from_env
+
+        unknown = sorted(disabled_from_env() - set(known))
+        status = current()
+        note = (f"{DISABLED_VAR} names {', '.join(unknown)}, which no fix has (ignored); the fixes are: "
+                f"{', '.join(known)}")
+        if unknown and note not in status.notes:
+            status.notes.append(note)
+            logger.warning("vllm-minicpm-hotfix: %s", note)
+    except Exception:  # noqa: BLE001 - pragma: no cover - the record itself broken
+        pass
+
+
+def on_registry_import(module: ModuleType) -> None:
+    """The post-import hook on vLLM's model registry module (:data:`REGISTRY_MODULE`): every backport's probe and
+    registration (:func:`vllm_minicpm_hotfix.backports.run`). Never raises: a failure logs one WARNING line and
+    leaves the registry as vLLM made it."""
+    try:
+        from . import backports
+
+        backports.run(module)
+    except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's import
+        logger.warning("vllm-minicpm-hotfix: the backports could not run, vLLM's model registry left as it was: %s",
+                       exc)
+
+
 def _guarded(name: str, label: str, apply: Callable[[ModuleType], object], module: ModuleType) -> None:
     """Run one fix; record an exception as an ``error`` :class:`FixStatus` under ``name`` and log it."""
     try:
@@ -123,6 +158,7 @@ def install() -> bool:
 
         _installed = True
         current().hook_installed = True
+        wrapt.register_post_import_hook(on_registry_import, REGISTRY_MODULE)
         wrapt.register_post_import_hook(on_import, TARGET_MODULE)
         for name in MEMBER_MODULES:
             wrapt.register_post_import_hook(on_member_import, name)

@@ -36,7 +36,8 @@ class FixStatus:
     """One fix's outcome in this process."""
 
     name: str
-    verdict: str  #: broken | correct | unrecognised | undetermined | error | deferred (probed at first use, not yet)
+    #: broken | correct | unrecognised | undetermined | error | deferred (probed at first use, not yet) | left out
+    verdict: str
     reason: str
     applied: bool
     why: str  #: why it was (not) applied
@@ -46,12 +47,47 @@ class FixStatus:
     #: ("module.QualName"): ``declared`` (in the fix's MODELS), ``verdict`` / ``reason`` (its probe on that member's
     #: classes), ``applied`` (the fix acts for it), ``why``; ``unknown`` for a subclass no member owns.
     models: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    #: probed at the first use of its code path instead of at import (fixes._deferred): verdict ``deferred`` until
+    #: probed at the first use of its code path instead of at import (fixes._base.deferred): verdict ``deferred`` until
     #: then, the real verdict after
     first_use: bool = False
     #: Attributes this fix's value wraps another fix's value of (two fixes set one attribute): ``"Class.attr"`` -> the
     #: NAME of the fix whose wrapper it calls (``fixes._base.shared_targets`` names every such attribute).
     wraps: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: left out by ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` (not probed, not applied; verdict ``left out``)
+    left_out: bool = False
+
+
+@dataclasses.dataclass
+class BackportStatus:
+    """One backport's outcome in this process (:mod:`vllm_minicpm_hotfix.backports`): an architecture the installed
+    vLLM lacks, registered by the hotfix, or left to vLLM."""
+
+    name: str
+    member: str  #: the family member it provides ("MiniCPM-V 4.7")
+    verdict: str  #: missing | correct (vLLM's own, or another plugin's) | unrecognised | undetermined | error
+    reason: str
+    registered: bool  #: vLLM's registry resolves the architecture to the hotfix's classes
+    why: str  #: why it was (not) registered
+    error: str | None = None  #: an exception caught inside the hook, if any
+    label: str = ""
+
+
+def backport_says(row: Any) -> str | None:
+    """What the summary line and ``doctor`` say of one backport (a :class:`BackportStatus` or its ``status()`` dict):
+    "registered by the hotfix", "vLLM's own", "registered by another plugin", "not registered" (needed, not
+    registered: ``off``), "failed" (the hook raised), or None where there is nothing to say (the architecture cannot
+    be served here for another reason: no 4.6 classes, or a transformers without the config)."""
+    get = row.get if isinstance(row, dict) else lambda key: getattr(row, key, None)
+    if get("registered"):
+        return "registered by the hotfix"
+    verdict, reason = get("verdict"), str(get("reason") or "")
+    if verdict == "error":
+        return "failed"
+    if verdict == "correct":
+        return "vLLM's own" if reason.startswith("vLLM's own") else "registered by another plugin"
+    if verdict == "missing":
+        return "not registered"
+    return None
 
 
 @dataclasses.dataclass
@@ -65,6 +101,8 @@ class Status:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: The model family members this vLLM defines (``fixes._base.FAMILY`` whose module exists), set by the hook.
     models: list[str] = dataclasses.field(default_factory=list)
+    #: Per backport NAME (``backports.BACKPORTS``), set by the hook on vLLM's model registry module.
+    backports: dict[str, BackportStatus] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -152,6 +190,17 @@ def _expand(text: str, registry: list[str]) -> list[str]:
     return text.split(", ")
 
 
+def _backports_part(status: Status) -> str:
+    """``; MEMBER: what`` per backport with something to say (:func:`backport_says`), e.g. ``; MiniCPM-V 4.7:
+    registered by the hotfix`` or ``; MiniCPM-V 4.7: vLLM's own``; empty where there is none."""
+    parts = []
+    for row in (status.backports or {}).values():
+        says = backport_says(row)
+        if says:
+            parts.append(f"; {row.member}: {says}")
+    return "".join(parts)
+
+
 def summary_line(status: Status, registry: list[str]) -> str:
     """The one WARNING line the post-import hook logs per process, once every fix has run.
 
@@ -162,14 +211,17 @@ def summary_line(status: Status, registry: list[str]) -> str:
 
     (one line; wrapped here). The applied fixes are named by ``NAME``: ``all``, ``none`` (``none: off`` under
     ``VLLM_MINICPM_HOTFIX=off``), their list, or ``all but`` the list of the others, whichever is shorter -- so the
-    line stays under 300 characters for any subset of 16 fixes applied (where every probe reached a verdict). Fixes left alone because their probe could not tell
-    (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that raised inside the hook as
-    ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way; subclasses of the patched
-    classes that no family member owns (a model vLLM added after this package) as ``; not covered: MODULES`` (the
+    line stays under 320 characters for any subset of 17 fixes applied (where every probe reached a verdict). Fixes
+    ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` leaves out follow as ``; left out: NAMES``; fixes left alone because their
+    probe could not tell (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that
+    raised inside the hook as ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way;
+    subclasses of the patched classes that no family member owns (a model vLLM added after this package) as ``; not covered: MODULES`` (the
     last part of each such class's module, e.g. ``minicpmv4_8``), or ``; not covered: N modules`` where the names
     would take more than :data:`NOT_COVERED_NAMES` characters: at most 30 characters, whatever is not covered (the
-    classes are in ``status()`` and ``doctor``), so with it the line stays under 330 for any subset. A fix
-    whose probe waits for the first use of its code path (``fixes._deferred``) is not listed until then (``status()``
+    classes are in ``status()`` and ``doctor``), so with it the line stays under 350 for any subset. Each backport
+    (:mod:`vllm_minicpm_hotfix.backports`) with something to say follows as ``; MEMBER: what`` (``; MiniCPM-V 4.7:
+    registered by the hotfix``, ``; MiniCPM-V 4.7: vLLM's own``; :func:`backport_says`), at most 45 characters. A fix
+    whose probe waits for the first use of its code path (``fixes._base.deferred``) is not listed until then (``status()``
     and ``doctor`` say "probed at first use"). Each fix's reason is an INFO line
     (``VLLM_LOGGING_LEVEL=INFO``); :data:`SUMMARY_PATTERN` parses the line. Pure: reads ``status`` only.
     """
@@ -179,13 +231,15 @@ def summary_line(status: Status, registry: list[str]) -> str:
     unsure = [n for n in registry if n in fixes and not fixes[n].applied
               and fixes[n].verdict in ("unrecognised", "undetermined") and status.mode != "off"]
     failed = [n for n in registry if n in fixes and fixes[n].verdict == "error"]
+    left_out = [n for n in registry if n in fixes and fixes[n].left_out]
     # Subclasses of the patched classes that no family member owns (a model vLLM added after this package): each
     # fix that would reach them hands them to vLLM, and says so here and in doctor.
     uncovered = sorted({key.rpartition(".")[0].rpartition(".")[2] or key for n in registry if n in fixes
                         for key, row in (fixes[n].models or {}).items() if isinstance(row, dict) and row.get("unknown")})
-    rest = (f"; could not tell: {_render(unsure, registry)}" if unsure else "") + (
+    rest = (f"; left out: {_render(left_out, registry)}" if left_out else "") + (
+        f"; could not tell: {_render(unsure, registry)}" if unsure else "") + (
         f"; failed: {_render(failed, registry)}" if failed else "") + (
-        f"; not covered: {_not_covered(uncovered)}" if uncovered else "")
+        f"; not covered: {_not_covered(uncovered)}" if uncovered else "") + _backports_part(status)
     if status.models:
         numbers = [m.split()[-1] for m in status.models]
         models = f"MiniCPM-V {'/'.join(numbers)}"
@@ -211,17 +265,21 @@ def log_summary(status: Status, registry: list[str]) -> bool:
 def parse_summary(log: str, registry: list[str]) -> list[dict[str, Any]]:
     """Every :func:`summary_line` in ``log`` (text of any number of lines), in order, as dicts: ``models`` (list of
     member names), ``vllm``, ``mode``, ``pid`` (int), ``applied`` (NAMEs, ``all`` / ``all but`` expanded against
-    ``registry``, in registry order), ``total`` (int), ``could_not_tell`` and ``failed`` (NAMEs), ``line`` (the line
+    ``registry``, in registry order), ``total`` (int), ``left_out``, ``could_not_tell`` and ``failed`` (NAMEs),
+    ``backports`` (member -> what the line says of it, e.g. ``{"MiniCPM-V 4.7": "registered by the hotfix"}``),
+    ``line`` (the line
     from ``vllm-minicpm-hotfix:`` on)."""
     out = []
     for m in SUMMARY_PATTERN.finditer(log):
         applied = _expand(m["names"], registry)
-        rest = {k: _expand(v, registry) for k, v in re.findall(r"; (could not tell|failed): ([^;]+)", m["rest"])}
+        rest = {k: _expand(v, registry)
+                for k, v in re.findall(r"; (left out|could not tell|failed): ([^;]+)", m["rest"])}
+        backports = dict(re.findall(r"; (MiniCPM-V [^:;]+): ([^;]+)", m["rest"]))
         models = m["models"]
         out.append({
             "models": [] if models.startswith("no ") else [f"MiniCPM-V {n}" for n in models.split()[-1].split("/")],
             "vllm": m["vllm"], "mode": m["mode"], "pid": int(m["pid"]), "applied": applied,
             "total": int(m["total"]), "could_not_tell": rest.get("could not tell", []), "failed": rest.get("failed", []),
-            "line": m.group(0),
+            "left_out": rest.get("left out", []), "backports": backports, "line": m.group(0),
         })
     return out

@@ -9,7 +9,9 @@ checks the server after each and samples the API server's RSS. One line per serv
     0.32.0 hotfix: cases 64, requests 70, 2xx .., 4xx .., 5xx or no answer 0, engine deaths 0, peak RSS above idle ..
 
 Pass (hotfix): 0 engine deaths, no 5xx, every 400 naming its cause, every valid request answered 200, the peak RSS
-above idle within :data:`RSS_BOUND` (docs/what-can-go-wrong.md states the bound). Stock: shown dying or answering
+above idle within :data:`RSS_BOUND` (docs/what-can-go-wrong.md states the bound); and vLLM's own ``/metrics`` then
+counts the hotfix's refusals (``vllm_minicpm_hotfix_refused_requests_total``, by fix and cause) exactly as many times
+as the client got a 400 with the hotfix's message, per fix. Stock: shown dying or answering
 500 on the same cases. The one known exception is vLLM's own, not MiniCPM-V's: a request vLLM refuses *after* its
 image was processed (``max_tokens: 0``; ``n: 4`` with greedy sampling) leaves vLLM's sender cache believing the
 engine holds the item; the next request with the same image may fail (``P0/P1 cache drift``: once where vLLM has its
@@ -28,7 +30,7 @@ from support.hotfix_log import patched_pids
 from support import hostile_cases
 from support import hostile_driver
 from support.venvs import clean_env
-from support.server import HEALTHY_WITHIN_S, serving
+from support.server import HEALTHY_WITHIN_S, scrape, serving
 from support.serving import has_serve_flag
 
 RELEASES = ("0.22.1", "0.24.0", "0.30.0", "0.32.0")
@@ -70,11 +72,27 @@ def _report(report: hostile_driver.Report, record_property) -> None:
             print(f"  {o.case.name}: {o.statuses} alive={o.alive}{health}: {o.messages[0][:300]}")
 
 
+#: The fixes that refuse requests here. The client tells their 400s apart by the message: both name the model
+#: ("MiniCPM-V 4.6: ..."), the guard's says how many placeholder tokens the prompt has, vLLM's own name neither.
+REFUSED_BY = ("request_kwargs", "placeholder_guard")
+GUARD_PHRASE = "placeholder tokens in the prompt"
+
+
+def _refusals_seen(report: hostile_driver.Report) -> dict[str, int]:
+    """Per fix of :data:`REFUSED_BY`: the 400 responses the client got whose message is that fix's."""
+    mine = [m for o in report.outcomes for status, m in zip(o.statuses, o.messages) if status == 400 and "MiniCPM-V" in m]
+    return {"request_kwargs": sum(GUARD_PHRASE not in m for m in mine),
+            "placeholder_guard": sum(GUARD_PHRASE in m for m in mine)}
+
+
 def test_hotfix_answers_every_request(pip_env, tmp_path, release, record_property):
+    from vllm_minicpm_hotfix import metrics
+
     with serving(pip_env, clean_env(), tmp_path, "hostile", SERVE_ARGS) as srv:
         assert srv.wait_healthy(HEALTHY_WITHIN_S), srv.log()[-6000:]
         assert str(srv.proc.pid) in patched_pids(srv.log(), "request_kwargs"), srv.log()[-6000:]
         report = hostile_driver.run(srv, f"{release} hotfix", hostile_cases.cases())
+        counted = scrape(srv, metrics.COUNTER)
         log = srv.log()
     _report(report, record_property)
     assert report.deaths == 0, log[-6000:]
@@ -82,6 +100,11 @@ def test_hotfix_answers_every_request(pip_env, tmp_path, release, record_propert
     bad = [o for o in report.outcomes if not o.ok and o.case.name not in DRIFT_CASES]
     assert not bad, [(o.case.name, o.statuses, o.messages[0][:300]) for o in bad]
     assert report.peak_rss - report.idle_rss <= RSS_BOUND, report.line()
+    seen = _refusals_seen(report)
+    per_fix = {fix: sum(v for labels, v in counted.items() if dict(labels)["fix"] == fix) for fix in REFUSED_BY}
+    print(f"/metrics {metrics.COUNTER}: {counted}; 400s seen by the client: {seen}")
+    assert seen["request_kwargs"] >= 10 and per_fix == seen, (per_fix, seen, counted)
+    assert {dict(labels)["cause"] for labels in counted} >= {"wrong_type", "fixed_key", "too_large"}, counted
 
 
 @pytest.mark.placed(*STOCK_RELEASES)

@@ -3,8 +3,8 @@
 vLLM 0.23.0 (stock ``lora_support`` verdict ``broken``, tests/support/expected.py). Stock ``vllm serve`` of the tiny 4.6
 checkpoint does not get as far as LoRA there: its API server dies building transformers' processor (``AttributeError:
 'MiniCPMV4_6ImageProcessor' object has no attribute 'version'``, the ``hf_processor_version`` fix; see
-tests/prompt/test_prompt_engine.py). So the refusal is shown with every fix applied but ``lora_support`` (left out through
-``tests/programs/leave_out_site``): ``vllm serve --enable-lora`` stops at start-up with ``ValueError:
+tests/prompt/test_prompt_engine.py). So the refusal is shown with every fix applied but ``lora_support`` (left out by
+``VLLM_MINICPM_HOTFIX_DISABLED_FIXES``): ``vllm serve --enable-lora`` stops at start-up with ``ValueError:
 MiniCPMV4_6ForConditionalGeneration does not support LoRA yet.`` (vLLM's ``LoRAModelRunnerMixin.load_lora_model``,
 in EngineCore after the weights loaded). With the whole hotfix pip-installed the same server starts with
 ``--lora-modules tiny=<adapter>``, and the OpenAI client's greedy chat completion with ``model="tiny"`` gives exactly
@@ -40,7 +40,7 @@ import pytest
 from support.paths import REPO, TINY
 from support.hotfix_log import patched_pids, summaries
 
-from support.venvs import LEAVE_OUT_SITE, clean_env
+from support.venvs import clean_env
 from support.peft_site import peft_site
 from support.server import FAILS_WITHIN_S, HEALTHY_WITHIN_S, Server, healthy, post, serving
 from support.serving import SERVE_ARGS
@@ -64,7 +64,7 @@ def prepared(pip_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-serve")
     site = peft_site()
     started = time.monotonic()
-    env = clean_env(PYTHONPATH=str(LEAVE_OUT_SITE), VLLM_MINICPM_HOTFIX_TEST_LEAVE_OUT=lora_support.NAME)
+    env = clean_env(VLLM_MINICPM_HOTFIX_DISABLED_FIXES=lora_support.NAME)
     without = Server(pip_env, env, tmp / "without.log", cwd=tmp, args=SERVE_ARGS + LORA_ARGS)
     try:
         proc = subprocess.run(

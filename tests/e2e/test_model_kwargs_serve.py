@@ -8,8 +8,8 @@ two servers of the tiny checkpoint on 127.0.0.1, one after the other:
   model, each of the three keys with its value and what is allowed -- exactly once, as the one exception of the one
   traceback in the log (vLLM's own, of the process that failed), and no hotfix log line reports a failure of its own;
 * **without the check**: the same server with every fix but ``request_kwargs`` (stock 0.30.0 does not load the
-  checkpoint at all: the load fixes are needed first), ``request_kwargs`` left out by the test-only
-  ``sitecustomize`` of tests/programs/leave_out_site: vLLM also fails at start-up, inside its token counting,
+  checkpoint at all: the load fixes are needed first), ``request_kwargs`` left out by
+  ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES``: vLLM also fails at start-up, inside its token counting,
   with an error naming none of the keys (``ValueError: math domain error`` from transformers' ``get_sliced_grid``
   on 0.30.0).
 
@@ -25,7 +25,7 @@ import pytest
 from support.hotfix_log import summaries
 
 from support import hostile_cases
-from support.venvs import LEAVE_OUT_SITE, clean_env
+from support.venvs import clean_env
 from support.server import FAILS_WITHIN_S, serving
 from support.serving import CPU_ARGS
 
@@ -72,7 +72,7 @@ def test_hotfix_refuses_them_at_start_up_with_one_error(pip_env, tmp_path):
 
 
 def test_without_the_check_vllm_fails_naming_none_of_them(pip_env, tmp_path):
-    env = clean_env(PYTHONPATH=str(LEAVE_OUT_SITE), VLLM_MINICPM_HOTFIX_TEST_LEAVE_OUT="request_kwargs")
+    env = clean_env(VLLM_MINICPM_HOTFIX_DISABLED_FIXES="request_kwargs")
     log = start_and_fail(pip_env, env, tmp_path, "without-check")
     lines = summaries(log)
     assert lines and all("request_kwargs" not in s["applied"] for s in lines), [s["line"] for s in lines]

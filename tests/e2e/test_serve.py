@@ -23,7 +23,7 @@ import time
 import pytest
 from support.hotfix_log import patched_pids, summaries
 from support.venvs import clean_env
-from support.programs import PROGRAMS, run_reporting
+from support.programs import run_reporting
 from support.server import DEVICE, FAILS_WITHIN_S, HEALTHY_WITHIN_S, serving
 from support.serving import assert_patched_where_weights_loaded, chat_with_image
 
@@ -79,12 +79,16 @@ def test_stock_server_fails_to_start(stock_first_error, tmp_path):
     assert "vllm-minicpm-hotfix:" not in log
 
 
-def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
-    """Only the image-processor fix active (a test-only sitecustomize that applies just that fix; the product has
-    no per-fix switch): the server then gets as far as loading the weights and fails with the k_proj error."""
+def test_processor_fix_alone_leaves_the_k_proj_error(expected, pip_env, tmp_path):
+    """Only the image-processor fix active (the wheel pip-installed, every other fix left out by
+    ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES``, which every process of the server reads): the server then gets as far as
+    loading the weights and fails with the k_proj error."""
+    from vllm_minicpm_hotfix.fixes import names
+
     assert expected[1] is not None
-    only = PROGRAMS / "processor_fix_only_site"  # its sitecustomize.py applies that fix alone
-    with serving(sys.executable, clean_env(PYTHONPATH=str(only)), tmp_path, "processor-only", SERVE_ARGS) as server:
+    others = ",".join(n for n in names() if n != "processor_downsample_mode")
+    env = clean_env(VLLM_MINICPM_HOTFIX_DISABLED_FIXES=others)
+    with serving(pip_env, env, tmp_path, "processor-only", SERVE_ARGS) as server:
         code = server.wait_exit(FAILS_WITHIN_S)
         log = server.log()
     assert code != 0
@@ -93,6 +97,8 @@ def test_processor_fix_alone_leaves_the_k_proj_error(expected, tmp_path):
     assert not [ln for ln in log.splitlines() if DOWNSAMPLE_TYPEERROR in ln and "vllm-minicpm-hotfix:" not in ln]
     assert summaries(log) and not patched_pids(log, "qkv_loader"), log[-6000:]
     assert patched_pids(log, "processor_downsample_mode"), log[-6000:]
+    assert all(s["applied"] == ["processor_downsample_mode"] and len(s["left_out"]) == len(names()) - 1
+               for s in summaries(log)), [s["line"] for s in summaries(log)]
     # The load error comes from the process that loads weights (vLLM's worker), not the API server.
     error_lines = [ln for ln in log.splitlines() if expected[1] in ln]
     assert any(re.match(r"\((?:Worker|EngineCore)\w* pid=\d+\)", ln) for ln in error_lines), error_lines[:3]

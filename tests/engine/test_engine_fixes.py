@@ -48,10 +48,10 @@ def test_apply_is_all_or_nothing(m46, monkeypatch):
     before = {t: _base.resolve(m46, t) for t in encoder_modes.SETS}
     before = {t: getattr(o, a) for t, (o, a) in before.items()}
 
-    def boom(original):
+    def boom(original, owner):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(encoder_modes, "wrap_get_mm_fields_config", boom)
+    monkeypatch.setitem(encoder_modes.PATCHES, encoder_modes.SETS[2], boom)
     with pytest.raises(RuntimeError, match="boom"):
         encoder_modes.apply(m46)
     after = {t: getattr(*_base.resolve(m46, t)) for t in encoder_modes.SETS}

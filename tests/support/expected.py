@@ -118,23 +118,50 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         # No release checks a request's MiniCPM-V mm_processor_kwargs before transformers' processor runs.
         **{env: "broken" for env in ENVIRONMENTS},
     },
+    "canvas_mrope": {
+        # A 4.7 fix: vLLM's 4.6 class has no canvas M-RoPE (nothing to correct, not applicable); its 4.7 row below.
+        **{env: "correct" for env in ENVIRONMENTS},
+    },
 }
+#: The verdict of canvas_mrope on vLLM 0.32-0.33's own 4.7 classes (V47_OWN): the canvas is off for a config
+#: transformers wrote. The hotfix's backport of 4.7 (0.22-0.30) has no canvas switch: "correct", as on 4.6.
+CANVAS_ON_47 = "broken"
+V47_OWN = ("0.32.0", "0.33.0")
 
 #: The family members other than 4.6 -> the environments that have them (vLLM defines their classes and transformers
 #: their processor) -> fix NAME -> the verdict of the fix's probe on that member's *own* classes on stock vLLM (what
 #: ``status()["fixes"][NAME]["models"][member]["verdict"]`` records), or "n/a" where the fix does not declare the
 #: member. MiniCPM-V 4.7 on 0.32.0 / 0.33.0: measured equal to 4.6's verdict for every fix that declares it (4.7
 #: inherits every method the fixes set; its overrides call super()).
-#: The fixes that do not declare MiniCPM-V 4.7 (their 4.7 row is "n/a"): 4.7's videos have no local <image_id> to
-#: renumber; the video loader name and LoRA declaration are fixed on the releases that have no 4.7 (0.22-0.30).
-NOT_ON_47 = {"video_image_id_cache", "video_loader", "lora_support"}
+#: The fix that does not declare MiniCPM-V 4.7 (its 4.7 row is "n/a"): 4.7's videos have no local <image_id> to
+#: renumber.
+#: On 0.22-0.30 4.7's classes are the backport's (vllm_minicpm_hotfix.backports.models.minicpmv4_7, subclasses of
+#: that release's 4.6 classes): measured equal to 4.6's verdict there too, for every fix that declares 4.7
+#: (2026-12-02, every environment of ENVIRONMENTS).
+NOT_ON_47 = {"video_image_id_cache"}
 
 MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
     "MiniCPM-V 4.7": {
-        env: {fix: ("n/a" if fix in NOT_ON_47 else block[env]) for fix, block in VERDICTS.items()}
-        for env in (("0.32.0", "5.19.0"), ("0.33.0", "5.20.2"))
+        env: {fix: ("n/a" if fix in NOT_ON_47 else CANVAS_ON_47 if fix == "canvas_mrope" and env[0] in V47_OWN
+                    else block[env]) for fix, block in VERDICTS.items()}
+        for env in ENVIRONMENTS
     },
 }
+
+#: backport NAME (``vllm_minicpm_hotfix.backports.BACKPORTS``) -> environment -> the verdict of its probe on stock
+#: vLLM: ``missing`` where vLLM's registry lacks the architecture (the backport registers it there), ``correct``
+#: where vLLM registers it itself ("vLLM's own").
+BACKPORT_VERDICTS: dict[str, dict[tuple[str, str], str]] = {
+    # vLLM registers MiniCPMV4_7ForConditionalGeneration from 0.32 on; every environment's transformers has 4.7.
+    "minicpmv4_7": {env: ("correct" if env[0] in ("0.32.0", "0.33.0") else "missing") for env in ENVIRONMENTS},
+}
+
+
+def backport_verdict(name: str, env: tuple[str, str]) -> str:
+    """The pinned stock verdict of backport ``name`` in ``env``."""
+    if env not in ENVIRONMENTS:
+        raise UnknownEnvironment(f"vLLM {env[0]} with transformers {env[1]} is not an environment of tests/support/expected.py")
+    return BACKPORT_VERDICTS[name][env]
 
 
 def member_verdicts(member: str, env: tuple[str, str]) -> dict[str, str] | None:

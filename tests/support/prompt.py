@@ -357,27 +357,39 @@ def real_geometry_copy(dest: Path) -> Path:
     return dest
 
 
-def write_v47(dest: Path) -> Path:
+#: ``--seed`` of the 4.7 test checkpoints, chosen with tests/programs/v47_sensitivity.py (docs/moe.md): another image
+#: of the same size moves transformers' first-step logprobs by >= 0.17 (dense) / >= 0.41 (MoE), bf16 moves them by
+#: <= 0.02 / <= 0.04. The default seed 0 of the MoE variant gives >= 0.12 against <= 0.02, and a weaker trace of
+#: vLLM's sequential-position defect.
+V47_SEED = {False: 0, True: 5}
+
+
+def write_v47(dest: Path, *, moe: bool = False, seed: int | None = None) -> Path:
     """A tiny MiniCPM-V 4.7 checkpoint written by transformers' own 4.7 classes (``scripts/make_tiny_checkpoint.py
     --member 4.7``: ``MiniCPMV4_7ForConditionalGeneration``, ``MiniCPMV4_7Processor``) with the real geometry
-    (patch 14, ``scale_resolution`` 448, ``max_slice_nums`` 9)."""
-    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(dest), "--member", "4.7", "--scale-resolution", "448"],
-                   check=True, capture_output=True)
+    (patch 14, ``scale_resolution`` 448, ``max_slice_nums`` 9).  ``moe=True`` adds ``--moe``: a ``qwen3_5_moe_text``
+    text tower (4 experts, top-2, a shared expert), the 35B-A3B member's layout.  ``seed`` defaults to
+    :data:`V47_SEED` (0 for dense, as before; 5 for MoE)."""
+    seed = V47_SEED[moe] if seed is None else seed
+    cmd = [sys.executable, str(MAKE_CHECKPOINT), str(dest), "--member", "4.7", "--scale-resolution", "448"]
+    cmd += ["--seed", str(seed)] if seed else []
+    subprocess.run(cmd + (["--moe"] if moe else []), check=True, capture_output=True)
     return dest
 
 
 class _Checkpoints(dict):
     """``tiny``: the bundled checkpoint (scale_resolution 112); ``real``: a copy with the real processor geometry;
-    ``real47``: a MiniCPM-V 4.7 checkpoint (:func:`write_v47`), written on first use (only environments with 4.7)."""
+    ``real47``: a MiniCPM-V 4.7 checkpoint (:func:`write_v47`), ``real47moe`` its MoE variant (``moe=True``), each
+    written on first use (only environments with 4.7)."""
 
     def __init__(self, tmp_path_factory) -> None:
         super().__init__(tiny=TINY, real=real_geometry_copy(tmp_path_factory.mktemp("real-geometry") / "ckpt"))
         self._tmp = tmp_path_factory
 
     def __missing__(self, key: str) -> Path:
-        if key != "real47":
+        if key not in ("real47", "real47moe"):
             raise KeyError(key)
-        self[key] = write_v47(self._tmp.mktemp("v47") / "ckpt")
+        self[key] = write_v47(self._tmp.mktemp(key.replace("real", "v")) / "ckpt", moe=key == "real47moe")
         return self[key]
 
 

@@ -221,3 +221,18 @@ def post(server: Server, path: str, body: dict, timeout: float = 180) -> tuple[i
             return exc.status_code, {"error": {"message": exc.response.text}}
     except openai.APIConnectionError as exc:
         return 0, {"error": {"message": f"no answer: {exc}"}}
+
+
+def scrape(server: Server, name: str, timeout: float = 30) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of the Prometheus metric ``name`` on the server's ``/metrics`` (vLLM's own endpoint), parsed by
+    ``prometheus_client``'s text parser: ``{sorted label pairs: value}``; empty if the server exports no such metric."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{server.url}/metrics", timeout=timeout)
+    response.raise_for_status()
+    out = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out

@@ -28,9 +28,6 @@ import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-#: A folder whose ``sitecustomize.py`` leaves the fixes named in ``VLLM_MINICPM_HOTFIX_TEST_LEAVE_OUT`` unapplied in
-#: every process of a server it is on the PYTHONPATH of (tests/programs/leave_out_site/sitecustomize.py says how).
-LEAVE_OUT_SITE = REPO / "tests" / "programs" / "leave_out_site"
 PACKAGE = "vllm_minicpm_hotfix"
 WRAPT_ENTRIES = ("wrapt", "wrapt-stubs")
 _COPY_IGNORE = shutil.ignore_patterns(
@@ -128,7 +125,8 @@ def make_bundle(dest: Path, python: str | os.PathLike = sys.executable) -> Path:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process's environment without anything that activates or configures the hotfix, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_MINICPM_HOTFIX", "VLLM_PLUGINS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VLLM_MINICPM_HOTFIX", "VLLM_MINICPM_HOTFIX_DISABLED_FIXES", "VLLM_PLUGINS")}
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # tests/conftest.py sets it too; scripts/gpu-smoke.sh sets cuda
     env.update(extra)
     return env

@@ -21,6 +21,12 @@ Where it lives: what it gathers in :mod:`vllm_minicpm_hotfix.cli.doctor.facts`, 
 :func:`vllm_minicpm_hotfix.cli.doctor.verdict.judge` (the whole verdict in one function), how it prints in
 :mod:`vllm_minicpm_hotfix.cli.doctor.table`; this module runs the three (:func:`collect`) and keeps their public names.
 
+``--model DIR`` adds what that checkpoint gives the vLLM started here, from one more fresh vLLM process
+(:mod:`vllm_minicpm_hotfix.cli.model_report`): the token ids vLLM stops a chat answer on against the end of the chat
+template's turn (:mod:`vllm_minicpm_hotfix.cli.stop_tokens`; WARN when an answer can run past it), and for a quantized
+checkpoint how its vision layers are stored and built (:mod:`vllm_minicpm_hotfix.cli.quant_report`; FAIL when they
+disagree).
+
 Exit status 0 when every fix is either not needed (vLLM correct upstream) or applied in that process, 1 otherwise; the
 verdict line says why and what to do, and the last line whether the package is still needed here (from the recorded
 run shipped with it, :mod:`vllm_minicpm_hotfix.cli.releases`). ``--json`` prints the same facts as one JSON object.
@@ -80,22 +86,30 @@ def collect(timeout: float = 600.0) -> dict[str, Any]:
     return report
 
 
-def _add_quant_report(report: dict[str, Any], model: str, timeout: float) -> None:
-    """``python -m vllm_minicpm_hotfix.cli.quant_report DIR`` in a fresh vLLM process of this environment: one check row
-    for the checkpoint's vision quantization (FAIL when the vLLM started here would build it differently)."""
+def _add_model_report(report: dict[str, Any], model: str, timeout: float) -> None:
+    """``python -m vllm_minicpm_hotfix.cli.model_report DIR`` in a fresh vLLM process of this environment: two check
+    rows -- the checkpoint's vision quantization (FAIL when the vLLM started here would build it differently) and
+    where vLLM stops a chat answer for it (OK, WARN when an answer can run past the end of its turn, ``-`` when it
+    cannot be told; a WARN leaves the verdict alone, as every WARN row does)."""
     from .. import quant_report
 
-    proc = subprocess.run([sys.executable, "-m", "vllm_minicpm_hotfix.cli.quant_report", model], capture_output=True,
+    folder = os.path.abspath(model)  # the child runs in the package's parent folder
+    proc = subprocess.run([sys.executable, "-m", "vllm_minicpm_hotfix.cli.model_report", folder], capture_output=True,
                           text=True, timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL, check=False,
                           cwd=str(PACKAGE_DIR.parent))  # fmt: skip
     try:
         rep = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        rep = {"quant_method": "?", "error": (proc.stderr or proc.stdout).strip()[-400:]}
-    agrees, text = quant_report.report_lines(rep)
-    report["quantized_checkpoint"] = rep
+        quant, stops = rep["quantized"], rep["stop_tokens"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        error = (proc.stderr or proc.stdout).strip()[-400:]
+        quant = {"quant_method": "?", "error": error}
+        stops = {"status": "-", "detail": f"cannot tell: the model report failed: {error}", "stop_token_ids": None}
+    agrees, text = quant_report.report_lines(quant)
+    report["quantized_checkpoint"] = quant
+    report["stop_tokens"] = stops
     report["checks"].append({"check": "quantized checkpoint", "status": "OK" if agrees else "FAIL",
                              "detail": "\n".join(text)})
+    report["checks"].append({"check": "stop tokens", "status": stops["status"], "detail": stops["detail"]})
     if not agrees:
         report["ok"], report["summary"] = False, f"FAIL: {model}: {text[0]}"
 
@@ -118,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-runtime-env", metavar="JSON", help="with --ray: probe under this job runtime_env (the one "
                    "your vLLM driver passes to ray.init)")
     p.add_argument("--model", metavar="DIR", default=None,
-                   help="a quantized checkpoint folder: report how it stores its vision layers and how vLLM builds them")
+                   help="a checkpoint folder: the token ids vLLM stops a chat answer on, against the end of the chat "
+                   "template's turn; for a quantized one, how it stores its vision layers and how vLLM builds them")
     args = p.parse_args(argv)
     if args.ray:
         from .ray import run as run_ray
@@ -127,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = collect(args.timeout)
         if args.model:
-            _add_quant_report(report, args.model, args.timeout)
+            _add_model_report(report, args.model, args.timeout)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

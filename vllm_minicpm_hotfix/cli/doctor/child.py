@@ -119,7 +119,10 @@ def probe_fixes(names, module, pkg_parent):
     except BaseException:  # noqa: BLE001 - an older copy of the package without the family: 4.6 alone
         members = {}
     try:  # fixes probed at first use of their code path: probe them now, as that first use would
-        deferred = importlib.import_module(names["package"] + ".fixes._deferred")
+        try:
+            deferred = importlib.import_module(names["package"] + ".fixes._base.deferred")
+        except ImportError:  # a copy of the package from before the framework was split
+            deferred = importlib.import_module(names["package"] + ".fixes._deferred")
         out["first_use"] = {n: {"verdict": e.verdict, "reason": e.reason, "applied": e.applied, "why": e.why,
                                 "error": e.error} for n, e in deferred.resolve_all().items()}  # fmt: skip
     except BaseException as exc:  # noqa: BLE001

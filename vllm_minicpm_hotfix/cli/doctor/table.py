@@ -14,6 +14,7 @@ from ..._bootstrap import PTH_NAME, START_NAME
 from .._util import one_line, print_table, print_verdict
 from ..bundle import PACKAGE
 from .verdict import hook_active
+from ...record import backport_says
 from ...hook import TARGET_MODULE
 
 Row = tuple[str, str, str]  #: (check, status, detail)
@@ -30,6 +31,7 @@ def rows(report: dict[str, Any]) -> list[dict[str, str]]:
         _activation_rows(report["activation"]),
         [_wrapt_row(report["wrapt"])],
         _process_rows(child),
+        _backport_rows(child),
         _fix_rows(report.get("fixes") or {}),
     )
     return [{"check": c, "status": s, "detail": d} for group in groups for c, s, d in group]
@@ -166,6 +168,22 @@ def _process_rows(child: dict[str, Any]) -> list[Row]:
     return [("vLLM process", "OK" if hook_on else "-", desc)]
 
 
+def _backport_rows(child: dict[str, Any]) -> list[Row]:
+    """One row per backport the fresh vLLM process recorded (``status()["backports"]``): OK where it is registered by
+    the hotfix or vLLM has the architecture itself ("vLLM's own"), WARN where it is needed and not registered
+    (``off``), FAIL where it failed inside the hook, ``-`` where the architecture cannot be served here at all."""
+    out = []
+    for name, row in (((child.get("status") or {}).get("backports")) or {}).items():
+        says = backport_says(row)
+        status = {"registered by the hotfix": "OK", "vLLM's own": "OK", "registered by another plugin": "OK",
+                  "not registered": "WARN", "failed": "FAIL"}.get(says or "", "-")
+        why = str(row.get("error") or (row.get("why") if says == "not registered" else row.get("reason")) or "")
+        why = why.removeprefix(f"{says}: ")  # "vLLM's own: its registry has ..."
+        detail = f"{row.get('member')}: {says or 'not served here'} ({one_line(why, 240)})"
+        out.append((f"backport {name}", status, detail))
+    return out
+
+
 def _member_rows(name: str, f: dict[str, Any]) -> list[Row]:
     """One row per family member other than 4.6 (the fix's own row above) and per subclass no member owns: OK where
     the fix covers the member and its probe on that member's classes now says correct, or it does not declare the
@@ -195,11 +213,17 @@ def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
         if f["ok"]:
             detail = (f"stock vLLM {f['stock']} -> PATCHED, now {f['now']}" if f["applied"]
                       else _not_needed(stock_reason))
+            if f.get("left_out"):
+                detail += " (left out by VLLM_MINICPM_HOTFIX_DISABLED_FIXES)"
             out.append((name, "OK", detail))
         elif f.get("hook_error"):
             out.append((name, "FAIL", f"hook error: {f['hook_error']}"))
         elif f["applied"]:
             out.append((name, "FAIL", f"PATCHED but still {f['now']}: {now_reason}"))
+        elif f.get("left_out"):  # the operator's choice, and vLLM keeps the defect
+            out.append((name, "WARN" if f.get("scope") else "FAIL",
+                        f"left out by VLLM_MINICPM_HOTFIX_DISABLED_FIXES: stock vLLM {f['stock']}, not patched: "
+                        f"{stock_reason}"))
         elif f.get("scope"):  # limited to some checkpoints: doctor's verdict does not depend on it
             how = f.get("scope_check") or "--model"
             detail = f"for {f['scope']} only (check one with {how}): stock vLLM {f['stock']}, not patched: "

@@ -18,6 +18,7 @@ from typing import Any
 from ... import plugin
 from .. import releases
 from ...hook import TARGET_MODULE
+from ...record import backport_says
 
 #: Where to point a user whose vLLM the hotfix does not know.
 _KNOWN_RELEASES = "0.22-0.33"
@@ -31,7 +32,8 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
     checkpoints a scoped fix is limited to, e.g. quantized ones: its verdict does not decide doctor's); ``scope_check``
     (the command that checks a checkpoint for that scope, None: ``--model``); ``first_use`` (the hook defers its probe
     to the first use of its code path; the child probed it); ``wraps`` (``"Class.attr"`` -> the fix whose wrapper of
-    that attribute this fix's wrapper calls: two fixes on one attribute)."""
+    that attribute this fix's wrapper calls: two fixes on one attribute); ``left_out``
+    (``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` names it: the hook left it out in vLLM's processes)."""
     recorded = (child.get("status") or {}).get("fixes") or {}
     first_use = child.get("first_use") or {}
     out: dict[str, dict[str, Any]] = {}
@@ -53,7 +55,7 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "needed": stock != "correct", "ok": probe["state"] == "correct",
             "hook_error": rec.get("error"), "why": rec.get("why"), "scope": probe.get("scope"),
             "scope_check": probe.get("scope_check"), "models": _assess_models(probe, rec),
-            "first_use": deferred, "wraps": dict(rec.get("wraps") or {}),
+            "first_use": deferred, "wraps": dict(rec.get("wraps") or {}), "left_out": bool(rec.get("left_out")),
         }
     return out
 
@@ -98,8 +100,9 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
 
     In order: vLLM must be installed, import, and have the 4.6 model module; no fix may have failed inside the hook;
     then every fix whose probe on the classes as they now stand is not ``correct`` fails the check -- with the
-    reason it is still broken (no activation path fired, the patch did not take, the mode kept it off) -- except a
-    fix scoped to some checkpoints (``SCOPE``), which only warns.
+    reason it is still broken (no activation path fired, the patch did not take, the mode kept it off, the operator
+    left it out with ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES``) -- except a fix scoped to some checkpoints (``SCOPE``),
+    which only warns.
     """
     child = report.get("child") or {}
     fixes = report["fixes"]
@@ -117,6 +120,12 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
         return False, (f"FAIL: the hotfix's {failed} failed inside vLLM's process ({fixes[failed]['hook_error']}); "
                        f"vLLM is left unpatched: report it (the log line 'vllm-minicpm-hotfix: the post-import hook "
                        f"failed' has the traceback)")
+    backports = (child.get("status") or {}).get("backports") or {}
+    failed = next((n for n, b in backports.items() if b.get("verdict") == "error"), None)
+    if failed is not None:
+        return False, (f"FAIL: the hotfix's backport {failed} ({backports[failed].get('member')}) failed inside vLLM's "
+                       f"process ({backports[failed].get('error')}); vLLM is left without it: report it (the log "
+                       f"line 'vllm-minicpm-hotfix: the backport {failed}' has the traceback)")
     broken = [n for n, f in fixes.items() if not f["ok"] and not f.get("scope")]  # scoped: WARN rows only
     # Another family member (4.7) a fix declares whose classes still fail its probe: as wrong as a 4.6 failure.
     members = [(n, m, r) for n, f in fixes.items() if not f.get("scope")
@@ -130,13 +139,21 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
         patched = sum(1 for f in fixes.values() if f["applied"])
         upstream = sum(1 for f in fixes.values() if f["ok"] and not f["applied"])
         state = "hotfix active" if hook_active(report) else "hotfix not active"
+        said = [(b.get("member"), backport_says(b)) for b in backports.values()]
+        members = "".join(f"; {member}: {says}" for member, says in said if says)  # "; MiniCPM-V 4.7: vLLM's own"
         return True, (f"OK: a vLLM {version} started from this environment loads MiniCPM-V 4.6 correctly "
-                      f"({patched} fixes patched by the hotfix, {upstream} correct upstream; {state})")
+                      f"({patched} fixes patched by the hotfix, {upstream} correct upstream; {state}){members}")
     listed = ", ".join(broken)
     what = listed if len(listed) <= 60 else f"{len(broken)} fixes: the FAIL rows above"
     if not hook_active(report):
         return False, (f"FAIL: vLLM {version} needs the hotfix ({what}) but it is not active in a fresh vLLM "
                        f"process: {activation_advice(report)}")
+    left_out = [n for n in broken if fixes[n].get("left_out")]
+    if left_out:
+        return False, (f"FAIL: vLLM {version}: {', '.join(left_out)} left out by VLLM_MINICPM_HOTFIX_DISABLED_FIXES, so "
+                       f"vLLM keeps {'that defect' if len(left_out) == 1 else 'those defects'} "
+                       f"({fixes[left_out[0]]['stock_reason']}): take "
+                       f"{'it' if len(left_out) == 1 else 'them'} out of the variable to fix it")
     first = fixes[broken[0]]
     if first["applied"]:
         return False, (f"FAIL: the hotfix patched {broken[0]} but vLLM's loading still fails the check "
