@@ -34,6 +34,7 @@ import pytest
 from support.paths import REPO, TINY
 from support.placement import FULL_ENVS
 from support.programs import program, run_program, site_copy
+from support.stop_checkpoints import token_ids
 from support.venvs import site_packages
 from vllm_minicpm_hotfix.cli import doctor, verify
 
@@ -255,6 +256,17 @@ def test_doctor(setups, setup, release, expected, processor_expected, wrapt_c_ex
         used = report["wrapt"]["used_in_vllm_process"]
         assert used["source"] == "installed" and used["c_extension"] is wrapt_c_extension
 
+    # The backports: a row each where the hook ran in doctor's vLLM process, and the OK line names them.
+    backport_rows = {r["check"]: r for r in report["checks"] if r["check"].startswith("backport ")}
+    if active:
+        own = table.backport_verdict("minicpmv4_7", env) == "correct"
+        says = "vLLM's own" if own else "registered by the hotfix"
+        row = backport_rows["backport minicpmv4_7"]
+        assert row["status"] == "OK" and row["detail"].startswith(f"MiniCPM-V 4.7: {says} ("), row
+        assert report["summary"].endswith(f"; MiniCPM-V 4.7: {says}"), report["summary"]
+    else:
+        assert backport_rows == {}, backport_rows
+
     if not want_ok:
         if setup == "off":
             assert "VLLM_MINICPM_HOTFIX=off" in report["summary"]
@@ -431,6 +443,10 @@ def test_verify_tiny_stock(setups, expected, release):
     last = out.strip().splitlines()[-1]
     assert "Traceback" not in out + proc.stderr
     assert "hotfix      not active" in out and f"bundled tiny checkpoint ({setups.pkg}" in out
+    # Printed before the load, so on a broken release too: the bundled checkpoint's tokenizer eos and generation
+    # config both name <|im_end|>, the token its template closes a turn with (tests/cli/test_stop_tokens.py).
+    im_end = token_ids(TINY)["<|im_end|>"]
+    assert f"  stop ids    OK vLLM stops on [{im_end} <|im_end|>] (tokenizer eos {im_end} <|im_end|>; " in out, out
     if expected[1] is not None:
         assert proc.returncode == 1
         assert last.startswith(f"FAIL: vLLM {release}") and "own load_weights raised (hotfix not active)" in last

@@ -3,12 +3,14 @@ and the disagreement, in fresh processes (two vLLM imports each: placed on 0.28.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 from support import quant_checkpoints as qc
 from support.paths import REPO, TINY
+from support.stop_checkpoints import token_ids
 pytestmark = pytest.mark.placed("0.28.0")
 
 AWQ_SKIP = ["model.vision_tower", "model.merger", "lm_head", "linear_attn.in_proj_b", "linear_attn.in_proj_a"]
@@ -36,6 +38,10 @@ def test_doctor_model_reports_disagreement(awq):
     assert proc.returncode == 1, out
     assert "quantized checkpoint" in out and "stock vLLM builds 10 quantized" in out, out
     assert "DISAGREE (stock)" in out and "vpm.encoder.layers.0.mlp.fc1" in out, out
+    # The same child process says where vLLM stops a chat answer: the AWQ copy keeps the tiny checkpoint's tokenizer
+    # and generation config, both naming <|im_end|> (tests/cli/test_stop_tokens.py).
+    im_end = token_ids(TINY)["<|im_end|>"]
+    assert re.search(rf"stop tokens +OK +vLLM stops on \[{im_end} <\|im_end\|>\]", out), out
 
 
 def test_verify_model_reports_and_loads_with_hotfix(awq, pip_env, tmp_path):

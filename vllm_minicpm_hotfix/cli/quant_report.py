@@ -3,8 +3,8 @@ linear layer, how the checkpoint stores it (:mod:`vllm_minicpm_hotfix.quant_layo
 and the quant method vLLM's own quant config gives it, stock and with the ``quantized_vision`` fix's decision.
 
 Importing this module imports neither vLLM nor torch; :func:`report` does. ``python -m
-vllm_minicpm_hotfix.cli.quant_report DIR`` prints :func:`report` as JSON (``doctor --model`` runs it in a fresh
-vLLM process).
+vllm_minicpm_hotfix.cli.quant_report DIR`` prints :func:`report` as JSON (``doctor --model`` runs it, with the stop
+tokens, in a fresh vLLM process: :mod:`vllm_minicpm_hotfix.cli.model_report`).
 """
 
 from __future__ import annotations
@@ -133,9 +133,9 @@ def report(folder: str | os.PathLike, *, hotfix: bool | None = None) -> dict[str
         try:
             import vllm_minicpm_hotfix
 
-            from ..fixes import _deferred
+            from ..fixes._base import deferred
 
-            _deferred.resolve("quantized_vision")  # probed at first use: this report is a use
+            deferred.resolve("quantized_vision")  # probed at first use: this report is a use
             hotfix = bool(vllm_minicpm_hotfix.status().get("fixes", {}).get("quantized_vision", {}).get("applied"))
         except Exception:  # noqa: BLE001
             hotfix = False
@@ -170,16 +170,21 @@ def report_lines(rep: Mapping[str, Any]) -> tuple[bool, list[str]]:
     return not bad, out + ["  " + line for line in describe_rows(active)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m vllm_minicpm_hotfix.cli.quant_report DIR``: :func:`report` as JSON (what doctor's child prints)."""
-    import sys
-
-    args = sys.argv[1:] if argv is None else argv
-    rep = report(args[0])
+def as_json(rep: dict[str, Any]) -> dict[str, Any]:
+    """:func:`report` with its rows as plain dicts (``agrees`` included): what :func:`report_lines` reads back."""
+    rep = dict(rep)
     for key in ("stock", "hotfix"):
         if rep.get(key) is not None:
             rep[key] = [dataclasses.asdict(r) | {"agrees": r.agrees} for r in rep[key]]
-    print(json.dumps(rep))
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_minicpm_hotfix.cli.quant_report DIR``: :func:`report` as JSON."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    print(json.dumps(as_json(report(args[0]))))
     return 0
 
 

@@ -23,7 +23,12 @@ What it does, in order:
    tensors take exactly the path they take in ``vllm serve``: the same top-level ``load_weights``, the same
    ``hf_to_vllm_mapper``, the same ``AutoWeightsLoader`` descent into ``vit_merger.self_attn``. ``--full-model``
    builds and loads everything instead.
-4. Compares vLLM's fused ``vit_merger.self_attn.qkv_proj.{weight,bias}`` with ``cat(q, k, v)`` of the checkpoint and
+4. Says where vLLM stops a chat answer for this checkpoint (:mod:`vllm_minicpm_hotfix.cli.stop_tokens`): the stop
+   token ids vLLM derives from the checkpoint's ``generation_config.json`` and tokenizer, against the token its
+   chat template ends an assistant's turn with -- ``OK``, ``WARN`` naming the missing id and the ``stop_token_ids``
+   to pass, or "cannot tell". A WARN does not change the exit status (the weights load correctly; the fix is a
+   request parameter).
+5. Compares vLLM's fused ``vit_merger.self_attn.qkv_proj.{weight,bias}`` with ``cat(q, k, v)`` of the checkpoint and
    ``out_proj`` with the checkpoint's ``out_proj`` (the reference tensors are read separately; they are small), after
    the dtype cast vLLM itself applies on copy. A mismatch names the checkpoint tensor whose rows differ.
 
@@ -46,7 +51,7 @@ import sys
 import time
 
 from ... import quant_layout
-from .. import quant_report
+from .. import quant_report, stop_tokens
 from . import render
 from .._util import exc_line, one_line, peak_rss_mib, print_verdict, progress
 from .checkpoint import BadInput, inspect_checkpoint, read_reference, resolve_model, stream_checkpoint
@@ -132,6 +137,9 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     times["import vLLM"] = time.perf_counter() - t
     active, hotfix_line, _status = hotfix_state()
     render.hotfix(hotfix_line)
+    t = time.perf_counter()
+    render.stop_ids(stop_tokens.report(ckpt.path))
+    times["stop ids"] = time.perf_counter() - t
     if args.device == "cuda":
         import torch
 

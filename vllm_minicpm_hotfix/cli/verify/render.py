@@ -33,6 +33,13 @@ def hotfix(line: str) -> None:
     _line("hotfix", line)
 
 
+def stop_ids(report: dict) -> None:
+    """Where vLLM stops a chat answer for this checkpoint (:func:`vllm_minicpm_hotfix.cli.stop_tokens.report`):
+    ``OK ...``, ``WARN ...`` with the ``stop_token_ids`` to pass, or ``cannot tell ...``."""
+    status = report["status"]
+    _line("stop ids", report["detail"] if status == "-" else f"{status} {report['detail']}")
+
+
 def quantized(text: str, *, first: bool) -> None:
     """One line of a quantized checkpoint's report (:func:`vllm_minicpm_hotfix.cli.quant_report.report_lines`)."""
     _line("quantized" if first else "", text)
