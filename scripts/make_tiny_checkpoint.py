@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a tiny, reproducible MiniCPM-V 4.6 checkpoint in Hugging Face format.
 
-    python scripts/make_tiny_checkpoint.py OUT_DIR [--untied] [--seed N] [--member 4.7 [--scale-resolution 448]]
+    python scripts/make_tiny_checkpoint.py OUT_DIR [--untied] [--seed N] [--member 4.7 [--moe] [--scale-resolution 448]]
 
 The model is built with transformers' own classes (transformers >= 5.7: ``MiniCPMV4_6Config``,
 ``MiniCPMV4_6ForConditionalGeneration``, ``MiniCPMV4_6Processor``), so its weight names are exactly the real
@@ -24,6 +24,17 @@ Default: tied word embeddings (no ``lm_head.weight``), like the real checkpoint.
 transformers' auto classes pair them), same sizes and tokenizer, with the canvas M-RoPE ids (``image_start_id``,
 ``image_end_id``, ``slice_start_id``, ``slice_end_id``, ``newline_id``) resolved from the tokenizer as transformers'
 conversion script does.  ``--scale-resolution`` sets the processor's (default 112; the real checkpoints' is 448).
+
+``--moe`` (with ``--member 4.7`` only) gives that checkpoint a ``qwen3_5_moe_text`` text tower, the layout of the
+35B-A3B member: every decoder layer's MLP is a sparse MoE block of ``TEXT_MOE["num_experts"]`` (4) routed experts,
+top-``num_experts_per_tok`` (2) with the top-k probabilities renormalised (transformers' ``Qwen3_5MoeTopKRouter``
+always divides by their sum; vLLM's ``Qwen3NextSparseMoeBlock`` does so when ``norm_topk_prob``, default True, which
+``config.json`` states), plus a sigmoid-gated shared expert.  transformers saves the experts unfused:
+``model.language_model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, ``mlp.gate.weight``,
+``mlp.shared_expert.{gate,up,down}_proj.weight``, ``mlp.shared_expert_gate.weight`` (checked after saving).  The
+expert and shared-expert widths (64) are multiples of 32, as vLLM's CPU fused-MoE kernel requires of the hidden and
+intermediate dimensions.  Random values as for every other tensor; the router (``mlp.gate.weight``) is a plain
+matrix, N(0, 1/fan_in).
 """
 
 from __future__ import annotations
@@ -80,6 +91,19 @@ TEXT = dict(
     linear_value_head_dim=64,
     linear_num_key_heads=2,
     linear_num_value_heads=2,
+)
+# The MoE text tower of ``--moe`` (transformers' ``Qwen3_5MoeTextConfig``, which has no ``intermediate_size``):
+# same attention/GDN sizes as TEXT, each MLP replaced by 4 routed experts (top-2) plus a shared expert.
+TEXT_MOE = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
+TEXT_MOE.update(
+    model_type="qwen3_5_moe_text",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,  # vLLM's CPU fused-MoE kernel: hidden and intermediate dims divisible by 32
+    shared_expert_intermediate_size=64,
+    # transformers 5.19-5.24 always renormalise the top-k weights (the field is removed from their config class);
+    # vLLM reads getattr(config, "norm_topk_prob", True).  Stated so that both read the same routing.
+    norm_topk_prob=True,
 )
 SCALE_RESOLUTION = 112  # processor slice resolution (a multiple of 4 * PATCH_SIZE)
 MAX_SLICE_NUMS = 9
@@ -251,10 +275,12 @@ def build_tokenizer():
 # --------------------------------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------------------------------
-def build_config(tied: bool, member: str = "4.6", tokenizer=None):
+def build_config(tied: bool, member: str = "4.6", tokenizer=None, moe: bool = False):
     import transformers
 
-    text = dict(TEXT)
+    if moe and member != "4.7":
+        raise ValueError(f"--moe needs --member 4.7 (got {member})")
+    text = dict(TEXT_MOE if moe else TEXT)
     text.update(
         tie_word_embeddings=tied,
         pad_token_id=SPECIAL_ID[PAD_TOKEN],
@@ -299,15 +325,17 @@ def _generator(seed: int, name: str):
     return g
 
 
-def randomize_(model, seed: int) -> None:
+def randomize_(model, seed: int, init_std: float | None = None) -> None:
     """Fill every parameter with seeded random values, scaled so forward passes stay sane.
 
-    * weight matrices / convolutions: N(0, 1/fan_in) (unit gain, so the image actually moves the logits: with
-      N(0, 0.02) everywhere, swapping the vit_merger q/k weights changed the last logits by ~2e-4 of their spread --
-      below bf16 noise -- and greedy output ignored the image);
+    * weight matrices / convolutions / MoE experts (each expert's own matrix): N(0, 1/fan_in) (unit gain, so the
+      image actually moves the logits: with N(0, 0.02) everywhere, swapping the vit_merger q/k weights changed the
+      last logits by ~2e-4 of their spread -- below bf16 noise -- and greedy output ignored the image);
     * token embeddings and lm_head: N(0, 0.1^2); biases: N(0, 0.1^2) (a swapped q/k bias moves the logits ~7%);
     * norm weights: 1 + N(0, 0.1^2), or N(0, 0.1^2) for zero-centred norms (Qwen3.5 RMSNorm computes x * (1 + w));
     * GatedDeltaNet: dt_bias 1 + N(0, 0.1^2), A_log = log(U(1, 16)).
+    ``init_std`` (``--init-std``) replaces the first two rules: every weight matrix, convolution, MoE expert, token
+    embedding and bias N(0, init_std^2), whatever its fan-in (norms, dt_bias, A_log as above).
     Each tensor has its own generator seeded from (seed, name); tied tensors are filled once.
     """
     import torch
@@ -332,25 +360,30 @@ def randomize_(model, seed: int) -> None:
                 elif is_norm and p_name == "weight":
                     centre = 0.0 if bool(torch.all(p == 0)) else 1.0
                     val = centre + 0.1 * noise
+                elif init_std is not None:
+                    val = init_std * noise
                 elif p.dim() == 1:  # biases
                     val = 0.1 * noise
                 elif isinstance(module, torch.nn.Embedding) or name == "lm_head.weight":
                     val = 0.1 * noise
                 else:
-                    fan_in = p[0].numel()
+                    # A row's size for (out, in[, kernel]) weights; transformers keeps MoE experts stacked as one
+                    # (experts, out, in) tensor, whose fan-in is the last dimension's.
+                    fan_in = p.shape[-1] if "Experts" in cls else p[0].numel()
                     val = noise / math.sqrt(fan_in)
                 p.copy_(val.to(p.dtype))
 
 
-def build_model(seed: int, tied: bool, member: str = "4.6", tokenizer=None):
+def build_model(seed: int, tied: bool, member: str = "4.6", tokenizer=None, moe: bool = False,
+                init_std: float | None = None):
     import torch
     import transformers
 
     torch.manual_seed(seed)  # only affects HF's own init, which randomize_ overwrites entirely
-    cfg = build_config(tied, member, tokenizer)
+    cfg = build_config(tied, member, tokenizer, moe)
     cls = getattr(transformers, f"MiniCPMV{member.replace('.', '_')}ForConditionalGeneration")
     model = cls(cfg).to(torch.float32).eval()
-    randomize_(model, seed)
+    randomize_(model, seed, init_std)
     if tied:
         model.tie_weights()
     return model
@@ -395,7 +428,7 @@ def _normalize_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2, ensure_ascii=False) + "\n")
 
 
-def _check_keys(out_dir: Path, tied: bool) -> int:
+def _check_keys(out_dir: Path, tied: bool, moe: bool = False) -> int:
     from safetensors import safe_open
 
     with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
@@ -410,6 +443,18 @@ def _check_keys(out_dir: Path, tied: bool) -> int:
         raise AssertionError(f"lm_head.weight present={'lm_head.weight' in keys} but tied={tied}")
     if not any(k.startswith("model.merger.") for k in keys):
         raise AssertionError("checkpoint lacks model.merger.*")
+    mlp = "model.language_model.layers.{}.mlp."
+    if moe:  # the unfused expert layout vLLM's Qwen3_5 loader maps onto w13_weight / w2_weight
+        experts = range(TEXT_MOE["num_experts"])
+        per_layer = [f"experts.{e}.{p}_proj.weight" for e in experts for p in ("gate", "up", "down")]
+        per_layer += ["gate.weight", "shared_expert_gate.weight"]
+        per_layer += [f"shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+    else:
+        per_layer = [f"{p}_proj.weight" for p in ("gate", "up", "down")]
+    missing = [mlp.format(i) + k for i in range(TEXT["num_hidden_layers"]) for k in per_layer
+               if mlp.format(i) + k not in keys]
+    if missing:
+        raise AssertionError(f"checkpoint lacks expected MLP keys: {missing}")
     return len(keys)
 
 
@@ -420,7 +465,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--member", choices=("4.6", "4.7"), default="4.6", help="the MiniCPM-V family member to write")
     ap.add_argument("--scale-resolution", type=int, default=SCALE_RESOLUTION, help="the processor's slice resolution")
+    ap.add_argument("--moe", action="store_true", help="4.7 only: a qwen3_5_moe_text text tower (4 experts, top-2)")
+    ap.add_argument("--init-std", type=float, default=None,
+                    help="every matrix, embedding and bias N(0, STD^2) instead of N(0, 1/fan_in) (see randomize_)")
     args = ap.parse_args(argv)
+    if args.moe and args.member != "4.7":
+        ap.error("--moe needs --member 4.7")
 
     import torch
 
@@ -432,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         stale.unlink(missing_ok=True)  # a previous run's weights (e.g. untied) must not linger
 
     tokenizer = build_tokenizer()  # the processor reads the tokenizer's attributes, so build it first
-    model = build_model(args.seed, tied, args.member, tokenizer)
+    model = build_model(args.seed, tied, args.member, tokenizer, args.moe, args.init_std)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     processor = build_processor(tokenizer, args.member, args.scale_resolution)
@@ -443,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         if f.is_file():
             f.chmod(0o644)  # save_pretrained writes the weights 0600
 
-    n_keys = _check_keys(out, tied)
+    n_keys = _check_keys(out, tied, args.moe)
     digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(
@@ -456,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "folder_bytes": size,
                 "model.safetensors sha256": digest,
+                **({"moe": TEXT_MOE["num_experts"]} if args.moe else {}),
+                **({"init_std": args.init_std} if args.init_std is not None else {}),
             },
             indent=1,
         )

@@ -114,4 +114,6 @@ def test_v47_log_names_the_model(server):
     log = server.log()
     lines = summaries(log)
     assert lines and all(s["models"] == ["MiniCPM-V 4.6", "MiniCPM-V 4.7"] for s in lines), log[-4000:]
+    # vLLM registers 4.7 itself here: the backport registers nothing, and every process's line says so
+    assert all(s["backports"] == {"MiniCPM-V 4.7": "vLLM's own"} for s in lines), [s["line"] for s in lines]
     assert any("mm_placeholders" in s["applied"] for s in lines), [s["line"] for s in lines]
