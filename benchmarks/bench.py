@@ -26,6 +26,10 @@ alternating, as medians with their ratio B/A and a 95% bootstrap interval.
    and 0.33.0.
 6. serve: real ``vllm serve`` on 0.32.0, stock (A) against the hotfix pip-installed (B), default-kwarg image requests
    at concurrency 4 (benchmarks/serve_bench.py): wall per request (1 / throughput), time to first token, server CPU.
+7. mixed: a sustained, seeded mixed load through real ``vllm serve`` on 0.32.0 at concurrency 8, stock (A) against the
+   hotfix pip-installed (B) (benchmarks/load_bench.py, tests/support/load_mix.py): fresh images of several sizes with
+   per-request kwargs, repeats (vLLM's processor cache), videos, and then requests the hotfix refuses; throughput,
+   p50/p99 latency, RSS of the API server, EngineCore and worker per 1,000 requests, deaths and 5xx.
 
 The environments with the package are throwaway overlays of the shared vLLM environment, made with the test suite's
 helpers (tests/support/venvs.py): the wheel built from this tree and installed with ``uv pip install --no-deps``, and a
@@ -51,6 +55,7 @@ REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "tests")]
 
 import common
+from support import load_mix
 from common import compare, interleave, log, median, median_ci, spawn
 
 M46 = "vllm.model_executor.models.minicpmv4_6"
@@ -58,9 +63,9 @@ M46 = "vllm.model_executor.models.minicpmv4_6"
 PATCH_LINE = re.compile(r"vllm-minicpm-hotfix: MiniCPM-V .*, pid \d+: patched [1-9]\d*/")
 TARGETS = {"startup": 1.03, "import": 1.01, "load_time": 1.02, "load_rss": 1.01, "hook_cpu_ms": 30.0,
            "request": 1.02, "serve": 1.02}
-SECTIONS = ("startup", "import", "load", "hook", "request", "serve")
+SECTIONS = ("startup", "import", "load", "hook", "request", "serve", "mixed")
 #: Section number of each in the table: the first three as before, then the hook, per request, serving.
-SECTION_NO = {"startup": 1, "import": 2, "load": 3, "hook": 4, "request": 5, "serve": 6}
+SECTION_NO = {"startup": 1, "import": 2, "load": 3, "hook": 4, "request": 5, "serve": 6, "mixed": 7}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -539,6 +544,252 @@ def bench_serve(py32: str, rounds: int, batches: int, requests: int, work: Path)
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# 7. A sustained mixed load
+# --------------------------------------------------------------------------------------------------------------------
+
+#: The windows throughput and CPU per request are measured in: 20 s, or a third of a shorter phase (--smoke).
+MIXED_WINDOW_S = 20.0
+
+
+def mixed_window_s(seconds: float) -> float:
+    return min(MIXED_WINDOW_S, seconds / 3)
+VALID_KINDS = ("image", "repeat", "video")
+
+
+def bench_mixed(py32: str, seconds: float, warmup: float, concurrency: int, rounds: int, max_requests: int,
+                work: Path) -> tuple[list[dict], dict]:
+    log(f"sustained mixed load on vllm serve 0.32.0: {rounds} round(s) of a stock and a hotfix server, each a valid "
+        f"and a full phase of {warmup:.0f} + {seconds:.0f} s at concurrency {concurrency}")
+    d = work / "mixed"
+    d.mkdir()
+    out = subprocess.run([py32, str(HERE / "load_bench.py"), str(d), str(seconds), str(warmup), str(concurrency),
+                          str(rounds), str(max_requests)], env=child_env(), capture_output=True, text=True,
+                         timeout=rounds * 2 * (2 * (warmup + seconds) + 1500) + 600, cwd=work, check=False)
+    for line in out.stderr.splitlines():
+        if line.startswith("[load bench]"):
+            log(line[len("[load bench] "):])
+    if out.returncode != 0:
+        raise RuntimeError(f"load_bench.py failed:\n{out.stderr[-4000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = mixed_summary(res)
+    va, vb = summary["valid"]["A"], summary["valid"]["B"]
+    same = summary["same_prompts"]
+    note = "" if same else " (NOT like for like: the servers built different prompts for the same requests)"
+    if not (va["complete"] and vb["complete"]):
+        note += " (a server did not finish its valid phase: see the detail)"
+    title = (f"`vllm serve` 0.32.0, sustained mixed load, valid part (fresh images of {len(res['mix']['sizes'])} "
+             f"sizes with per-request kwargs, repeats, videos), {warmup:.0f} s warm-up + {seconds:.0f} s, concurrency "
+             f"{concurrency}: wall per request (1 / throughput) per {mixed_window_s(seconds):.0f}-s window{note}")
+    rows = [
+        {"key": "mixed_s_per_request", "unit": "ms", "gate": "wall", "title": title,
+         "target": TARGETS["serve"] if same and va["complete"] and vb["complete"] else None,
+         "wall": compare([x * 1e3 for x in va["windows_s"]], [x * 1e3 for x in vb["windows_s"]]), "cpu": None},
+        {"key": "mixed_p50", "unit": "ms", "gate": "wall", "target": None, "title": "  latency of a valid request, p50",
+         "wall": qcompare([x * 1e3 for x in va["lat_valid"]], [x * 1e3 for x in vb["lat_valid"]], 0.5), "cpu": None},
+        {"key": "mixed_p99", "unit": "ms", "gate": "wall", "target": None, "title": "  latency of a valid request, p99",
+         "wall": qcompare([x * 1e3 for x in va["lat_valid"]], [x * 1e3 for x in vb["lat_valid"]], 0.99), "cpu": None},
+    ]
+    if all(va["cpu_windows_s"][r] and vb["cpu_windows_s"][r] for r in ("api", "engine", "worker")):
+        rows += [{"key": f"mixed_cpu_{r}", "unit": "ms", "gate": "cpu", "target": None, "wall": None,
+                  "title": f"  CPU per request of the {name}, per {mixed_window_s(seconds):.0f}-s window",
+                  "cpu": compare([x * 1e3 for x in va["cpu_windows_s"][r]], [x * 1e3 for x in vb["cpu_windows_s"][r]])}
+                 for r, name in (("api", "API server (where the hotfix acts per request)"), ("engine", "EngineCore"),
+                                 ("worker", "worker (the model)"))]
+    return rows, {"summary": summary, "raw": res}
+
+
+def qcompare(a: list[float], b: list[float], q: float) -> dict:
+    """:func:`common.compare`'s fields for the ``q`` quantile of two unpaired samples (the interval resamples each)."""
+    qa, qb = load_mix.quantile(a, q), load_mix.quantile(b, q)
+    lo, hi = common.quantile_ratio_ci(a, b, q)
+    return {"n": min(len(a), len(b)), "a_median": qa, "b_median": qb, "delta": qb - qa,
+            "ratio": qb / qa if qa else float("nan"), "ratio_ci95": [lo, hi], "paired_ratio_median": float("nan"),
+            "a_min": min(a, default=float("nan")), "b_min": min(b, default=float("nan"))}
+
+
+def _phase_figures(phases: list[dict], expect_seconds: float, width: float) -> dict:
+    """The figures of one side's phases of one name (one per round), pooled."""
+    roles = ("api", "engine", "worker")
+    outs = [o for p in phases for o in p["outcomes"]]
+    measured = [(p, o) for p in phases for o in p["outcomes"] if o[3] >= p["warmup_s"]]
+    windows, slopes, levels = [], {r: [] for r in roles}, {r: [] for r in roles}
+    cpu_windows: dict[str, list[float]] = {r: [] for r in roles}
+    for p in phases:
+        lo = p["warmup_s"]
+        hi = max((o[4] for o in p["outcomes"]), default=lo)
+        t = lo
+        while t + width <= hi + 1e-9:
+            n = sum(1 for o in p["outcomes"] if o[3] >= lo and t <= o[4] < t + width)
+            if n:
+                windows.append(width / n)
+            t += width
+        after = [s for s in p["samples"] if s[0] >= lo]
+        t = lo
+        while t + width <= hi + 1e-9:
+            inside = [s for s in after if t <= s[0] < t + width]
+            if len(inside) >= 2 and inside[-1][1] > inside[0][1] and len(inside[0]) > 5:
+                for k, r in enumerate(roles):
+                    cpu_windows[r].append((inside[-1][5 + k] - inside[0][5 + k]) / (inside[-1][1] - inside[0][1]))
+            t += width
+        for k, r in enumerate(roles):
+            pts = [(s[1], s[2 + k] / 2**20) for s in after if s[2 + k]]
+            if len(pts) >= 3:
+                sl = load_mix.slope(pts) * 1000
+                ci = [x * 1000 for x in common.slope_ci(pts)]
+                slopes[r].append({"slope": sl, "ci": ci, "requests": pts[-1][0] - pts[0][0]})
+                levels[r].append([pts[0][1], pts[-1][1]])
+    span = sum(max((o[4] for o in p["outcomes"]), default=p["warmup_s"]) - p["warmup_s"] for p in phases)
+    statuses: dict[str, dict[str, int]] = {}
+    for o in outs:
+        kind = o[1] if o[1] != "refused" else f"refused {o[9]}"
+        st = statuses.setdefault(kind, {})
+        st[str(o[2] or "no answer")] = st.get(str(o[2] or "no answer"), 0) + 1
+    hits = [h for p in phases for h in p["cache_hit_rates"]]
+    return {
+        "requests": len(outs), "measured": len(measured),
+        "by_kind": {k: sum(1 for _, o in measured if o[1] == k) for k in ("image", "repeat", "video", "refused")},
+        "throughput": len(measured) / span if span > 0 else float("nan"),
+        "windows_s": windows,
+        "cpu_windows_s": cpu_windows,
+        "lat_valid": [o[4] - o[3] for _, o in measured if o[1] in VALID_KINDS],
+        "lat_refused": [o[4] - o[3] for _, o in measured if o[1] == "refused"],
+        "server_errors": sum(1 for o in outs if o[2] == 0 or o[2] >= 500),
+        "not_ok": sum(1 for o in outs if not o[7]),
+        "not_ok_valid": sum(1 for o in outs if not o[7] and o[1] in VALID_KINDS),
+        "deaths": sum(p["deaths"] for p in phases), "death": [p["death"] for p in phases if p["death"]],
+        "guard": [p["guard"] for p in phases if p["guard"]],
+        "complete": all(not p["deaths"] and not p["guard"] for p in phases) and len(phases) > 0,
+        "seconds": [p["seconds"] for p in phases], "expect_seconds": expect_seconds,
+        "slopes": slopes, "levels": levels, "statuses": statuses,
+        "cache_hit_median": median(hits) if hits else None,
+        "examples": sorted({o[8] for o in outs if o[8] and o[1] == "refused"})[:12],
+        "prompts": {o[0]: o[5] for o in outs if o[1] in VALID_KINDS and o[2] == 200},
+    }
+
+
+def mixed_summary(res: dict) -> dict:
+    out: dict = {"concurrency": res["concurrency"], "seconds": res["seconds"], "warmup_s": res["warmup_s"]}
+    for phase in ("valid", "full"):
+        out[phase] = {}
+        for side in ("A", "B"):
+            phases = [p for r in res[side] for p in r["phases"] if p["phase"] == phase]
+            out[phase][side] = _phase_figures(phases, res["warmup_s"] + res["seconds"],
+                                              mixed_window_s(res["seconds"]))
+    pa, pb = out["valid"]["A"]["prompts"], out["valid"]["B"]["prompts"]
+    common_idx = set(pa) & set(pb)
+    out["same_prompts"] = bool(common_idx) and all(pa[i] == pb[i] for i in common_idx)
+    out["prompts_compared"] = len(common_idx)
+    out["started_s"] = {side: [r.get("started_s") for r in res[side]] for side in ("A", "B")}
+    for phase in ("valid", "full"):
+        for side in ("A", "B"):
+            out[phase][side].pop("prompts")
+    return out
+
+
+def mixed_text(detail: dict) -> str:
+    if not detail:
+        return ""
+    s = detail["summary"]
+    raw = detail["raw"]
+
+    def ms(xs, q):
+        v = load_mix.quantile(xs, q)
+        return "-" if math.isnan(v) else f"{v * 1e3:.0f} ms"
+
+    def lat(f, key):
+        return f"{ms(f[key], 0.5)} / {ms(f[key], 0.99)} (n {len(f[key])})" if f[key] else "-"
+
+    def ratio_q(a, b, q):
+        if len(a) < 3 or len(b) < 3:
+            return "-"
+        qa, qb = load_mix.quantile(a, q), load_mix.quantile(b, q)
+        lo, hi = common.quantile_ratio_ci(a, b, q)
+        return f"{qb / qa:.3f} [{lo:.3f}, {hi:.3f}]"
+
+    def slope_cell(f, role):
+        xs = f["slopes"][role]
+        if not xs:
+            return "-"
+        parts = []
+        for x, lv in zip(xs, f["levels"][role]):
+            lo, hi = x["ci"]
+            ci = "" if math.isnan(lo) else f" [{lo:+.0f}, {hi:+.0f}]"
+            parts.append(f"{x['slope']:+.1f}{ci} ({lv[0]:.0f} -> {lv[1]:.0f} MiB over {x['requests']} req)")
+        return "; ".join(parts)
+
+    def end(f):
+        bits = []
+        if f["deaths"]:
+            bits.append(f"engine died: {'; '.join(f['death'])[:400]}")
+        if f["guard"]:
+            bits.append(f"memory guard: {'; '.join(f['guard'])}")
+        return " ".join(bits) or "none"
+
+    def cpu_cell(f):
+        w = f["cpu_windows_s"]
+        if not all(w[r] for r in ("api", "engine", "worker")):
+            return "-"
+        return " / ".join(f"{median(w[r]) * 1e3:.0f}" for r in ("api", "engine", "worker")) + " ms"
+
+    def cpu_ratio(a, b):
+        if cpu_cell(a) == "-" or cpu_cell(b) == "-":
+            return ""
+        return " / ".join(f"{median(b['cpu_windows_s'][r]) / median(a['cpu_windows_s'][r]):.3f}"
+                          for r in ("api", "engine", "worker"))
+
+    def statuses(f):
+        return "; ".join(f"{k}: " + ", ".join(f"{st} x{n}" for st, n in sorted(v.items()))
+                         for k, v in sorted(f["statuses"].items()))
+
+    lines = [f"Sustained mixed load (section 7, benchmarks/load_bench.py): vLLM 0.32.0, the real-geometry tiny "
+             f"checkpoint, `{' '.join(raw['serve_args'])}`; seeded mix {raw['mix']['seed']}, concurrency "
+             f"{s['concurrency']}, each phase {s['warmup_s']:.0f} s warm-up + {s['seconds']:.0f} s (at most "
+             f"{raw['max_requests']} requests), {raw['max_tokens']} tokens per answer, every request with a 120 s "
+             f"timeout; server start to healthy: A {s['started_s']['A']}, B {s['started_s']['B']} s. Valid-phase "
+             f"prompts compared request by request: {s['prompts_compared']}, "
+             f"{'all equal' if s['same_prompts'] else 'NOT all equal'}.", "",
+             "| | stock (A) | hotfix (B) | B/A [95% CI] |", "|---|---|---|---|"]
+    for phase, what in (("valid", "valid phase (the comparison)"), ("full", "full phase (refused requests added)")):
+        a, b = s[phase]["A"], s[phase]["B"]
+        if not a["requests"] and not b["requests"]:
+            continue
+        kinds = lambda f: ", ".join(f"{k} {v}" for k, v in f["by_kind"].items() if v)  # noqa: E731
+        tp = (f"{b['throughput'] / a['throughput']:.3f}" if a["throughput"] and b["throughput"]
+              and not math.isnan(a["throughput"]) else "-")
+        lines += [
+            f"| **{what}**: requests sent (after warm-up: by kind) | {a['requests']} ({kinds(a)}) | "
+            f"{b['requests']} ({kinds(b)}) | |",
+            f"| throughput after warm-up, requests/s | {a['throughput']:.2f} | {b['throughput']:.2f} | {tp} |",
+            f"| latency of valid requests, p50 / p99 | {lat(a, 'lat_valid')} | {lat(b, 'lat_valid')} | "
+            f"p50 {ratio_q(a['lat_valid'], b['lat_valid'], 0.5)}, "
+            f"p99 {ratio_q(a['lat_valid'], b['lat_valid'], 0.99)} |",
+        ]
+        if phase == "full":
+            lines.append(f"| latency of refused requests, p50 / p99 | {lat(a, 'lat_refused')} | "
+                         f"{lat(b, 'lat_refused')} | p50 {ratio_q(a['lat_refused'], b['lat_refused'], 0.5)} |")
+        lines += [
+            f"| answers >= 500 or none / not as expected (valid ones) | {a['server_errors']} / {a['not_ok']} "
+            f"({a['not_ok_valid']}) | {b['server_errors']} / {b['not_ok']} ({b['not_ok_valid']}) | |",
+            f"| engine deaths, memory guard | {end(a)} | {end(b)} | |",
+            f"| CPU per request (median of {mixed_window_s(s['seconds']):.0f}-s windows): API server / EngineCore / "
+            f"worker | "
+            f"{cpu_cell(a)} | {cpu_cell(b)} | {cpu_ratio(a, b)} |",
+            *(f"| RSS of the {name} after warm-up: slope MiB per 1,000 requests [95% CI] (start -> end) | "
+              f"{slope_cell(a, role)} | {slope_cell(b, role)} | |"
+              for role, name in (("api", "API server"), ("engine", "EngineCore"), ("worker", "worker"))),
+            f"| vLLM's `MM cache hit rate` (median of its log lines) | {a['cache_hit_median']} | "
+            f"{b['cache_hit_median']} | |",
+        ]
+    full_a, full_b = s["full"]["A"], s["full"]["B"]
+    lines += ["", f"Full phase, answers per kind: stock (A): {statuses(full_a) or '-'}.", "",
+              f"Hotfix (B): {statuses(full_b) or '-'}."]
+    if not full_a["complete"]:
+        lines += ["", "**Stock did not finish the full phase** (above): its comparison with the hotfix is the valid "
+                  "phase only; the full phase's figures of stock cover what it answered until then."]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -730,6 +981,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-rounds", type=int, default=2, help="rounds of one stock and one hotfix server (default 2)")
     ap.add_argument("--serve-batches", type=int, default=3, help="batches per server (default 3)")
     ap.add_argument("--serve-requests", type=int, default=12, help="requests per batch (default 12)")
+    ap.add_argument("--mixed-seconds", type=float, default=180,
+                    help="measured seconds of each phase of the sustained mixed load (default 180)")
+    ap.add_argument("--mixed-warmup", type=float, default=45,
+                    help="warm-up seconds before each phase's measured part (default 45)")
+    ap.add_argument("--mixed-concurrency", type=int, default=8, help="requests in flight (default 8)")
+    ap.add_argument("--mixed-rounds", type=int, default=2,
+                    help="rounds of one stock and one hotfix server, order alternating (default 2)")
+    ap.add_argument("--mixed-max-requests", type=int, default=5000,
+                    help="at most this many requests per phase (default 5000)")
     ap.add_argument("--startup-pairs", type=int, default=500, help="A/B pairs per start-up comparison (default 500)")
     ap.add_argument("--startup-warmup", type=int, default=5, help="discarded start-up runs of each first (default 5)")
     ap.add_argument("--import-pairs", type=int, default=10, help="A/B pairs of the model-module import (default 10)")
@@ -761,7 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
     hook_rels = [r for r in args.hook_releases.split(",") if r]
     request_rels = [r for r in args.request_releases.split(",") if r]
     wanted = set()
-    if "load" in only or "serve" in only:
+    if "load" in only or "serve" in only or "mixed" in only:
         wanted.add("0.32.0")
     if "hook" in only:
         wanted.update(hook_rels)
@@ -781,6 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     breakdown: dict = {}
     hook_detail: dict = {}
+    mixed_detail: dict = {}
     import_row = None
     ckpt = None
     failed: list[str] = []
@@ -827,6 +1088,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                     args.serve_batches, args.serve_requests, work))
             except Exception as exc:  # noqa: BLE001
                 failed.append(f"serve: {type(exc).__name__}: {exc}")
+        if "mixed" in only:
+            loads["mixed"] = [round(x, 2) for x in os.getloadavg()]
+            try:
+                mixed_rows, mixed_detail = bench_mixed(pythons["0.32.0"], args.mixed_seconds, args.mixed_warmup,
+                                                       args.mixed_concurrency, args.mixed_rounds,
+                                                       args.mixed_max_requests, work)
+                rows.extend({**r, "section": 7} for r in mixed_rows)
+            except Exception as exc:  # noqa: BLE001
+                failed.append(f"mixed: {type(exc).__name__}: {exc}")
     finally:
         if args.keep_work:
             log(f"kept {work}")
@@ -842,7 +1112,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"facts": facts, "options": options, "rows": rows,
-                                         "import_breakdown": breakdown, "hook_detail": hook_detail}, indent=1,
+                                         "import_breakdown": breakdown, "hook_detail": hook_detail,
+                                         "mixed": mixed_detail}, indent=1,
                                         default=str))
         log(f"wrote {args.json}")
     print()
@@ -850,7 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(rows))
     for make in (lambda: startup_text(rows), lambda: breakdown_text(breakdown, import_row), lambda: load_text(rows),
-                 lambda: hook_text(hook_detail)):
+                 lambda: hook_text(hook_detail), lambda: mixed_text(mixed_detail)):
         try:
             text = make()
         except Exception as exc:  # noqa: BLE001 - a detail paragraph must not cost the table

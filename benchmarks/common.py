@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import random
@@ -181,3 +182,48 @@ def median_ci(xs: Sequence[float], *, n: int = 2000, seed: int = 0) -> tuple[flo
     rng = random.Random(seed)
     meds = sorted(median([xs[rng.randrange(len(xs))] for _ in xs]) for _ in range(n))
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
+def quantile_ratio_ci(a: Sequence[float], b: Sequence[float], q: float, *, n: int = 2000,
+                      seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of quantile_q(b) / quantile_q(a), resampling A's and B's values independently (they
+    are not paired: two servers' requests). nan, nan with fewer than 3 values on either side."""
+    from support.load_mix import quantile
+
+    if len(a) < 3 or len(b) < 3:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(n):
+        qa = quantile([a[rng.randrange(len(a))] for _ in a], q)
+        qb = quantile([b[rng.randrange(len(b))] for _ in b], q)
+        ratios.append(qb / qa if qa else float("nan"))
+    ratios.sort()
+    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
+
+
+def slope_ci(points: Sequence[tuple[float, float]], *, block: int = 10, n: int = 2000,
+             seed: int = 0) -> tuple[float, float]:
+    """95% moving-block bootstrap interval of the least-squares slope (tests/support/load_mix.py's ``slope``) over
+    time-ordered ``points``: blocks of ``block`` consecutive points resampled with replacement (consecutive RSS
+    samples are not independent). nan, nan with fewer than 2 blocks."""
+    from support.load_mix import slope as ols_slope
+
+    if len(points) < 2 * block:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    starts = len(points) - block + 1
+    k = len(points) // block
+    slopes = []
+    for _ in range(n):
+        sample = []
+        for _ in range(k):
+            s = rng.randrange(starts)
+            sample.extend(points[s:s + block])
+        v = ols_slope(sample)
+        if not math.isnan(v):
+            slopes.append(v)
+    if len(slopes) < n // 2:
+        return float("nan"), float("nan")
+    slopes.sort()
+    return slopes[int(0.025 * len(slopes))], slopes[int(0.975 * len(slopes)) - 1]

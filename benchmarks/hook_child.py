@@ -13,7 +13,7 @@ Measured with ``time.process_time()`` (CPU of this process, every thread) and ``
 * ``import_fixes``: importing the fix modules (the first thing the hook does);
 * ``fixes``: per fix, ``fixes._base.run`` (probe, decision, apply; for a fix probed at first use: setting its trigger);
 * ``hook``: the whole hook (``hook.on_import``: the two above and the status record);
-* ``first_use``: with ``lazy``, the deferred fixes resolved afterwards (``fixes._deferred.resolve_all``: the cost moved
+* ``first_use``: with ``lazy``, the deferred fixes resolved afterwards (``fixes.deferred.resolve_all``: the cost moved
   to the first quantized model construction; an unquantized checkpoint never pays it).
 
 ``eager`` sets ``VLLM_MINICPM_HOTFIX_PROBES=eager`` (every probe at import, as before probes could be deferred).
@@ -69,13 +69,13 @@ def main(repo: str, probes: str) -> dict:
 
     if "hook" not in out:
         raise RuntimeError("the post-import hook did not run")
-    from vllm_minicpm_hotfix.fixes import _deferred
+    from vllm_minicpm_hotfix.fixes._base import deferred
 
     st = vllm_minicpm_hotfix.status()  # before any first use
     out["status"] = {n: {"verdict": e["verdict"], "applied": e["applied"], "first_use": e.get("first_use")}
                      for n, e in st["fixes"].items()}
     c, w = time.process_time(), time.perf_counter()
-    resolved = _deferred.resolve_all()
+    resolved = deferred.resolve_all()
     out["first_use"] = {"cpu_ms": (time.process_time() - c) * 1e3, "wall_ms": (time.perf_counter() - w) * 1e3,
                         "fixes": sorted(resolved)}
     import vllm
