@@ -96,13 +96,20 @@ def _stock_between_tests(m46):
 
     from vllm_minicpm_hotfix.fixes import request_kwargs
 
+    from vllm_minicpm_hotfix.backports import BACKPORTS
+
+    def registered() -> list[str]:
+        return [b.NAME for b in BACKPORTS if b.registered()]
+
     assert not patched(), f"a previous test left vLLM patched: {patched()}"
+    assert not registered(), f"a previous test left a backport registered: {registered()}"
     # request_kwargs keeps the encoder cache size of the last MultiModalBudget built in the process (one engine per
     # process in vLLM); a test that builds one with a small budget must not bound a later test's requests.
     request_kwargs.ENCODER_CACHE_SIZE.clear()
     yield
     request_kwargs.ENCODER_CACHE_SIZE.clear()
     assert not patched(), f"this test left vLLM patched: {patched()}"
+    assert not registered(), f"this test left a backport registered: {registered()}"
 
 
 def pytest_configure(config):
