@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -363,7 +362,10 @@ def method_at_construction(model_cls: type, quant_config: Any, layer: Any) -> An
     from safetensors.torch import save_file
     from torch import nn
 
-    init_fn = next(vars(c)["__init__"] for c in model_cls.__mro__ if "__init__" in vars(c))
+    # The constructor that hands the quant config to the vision tower: the 4.6 class's (a member's own ``__init__``
+    # that reads its config first and then calls it, as the 4.7 backport's does, would stop the stand-in early).
+    owners = [c for c in model_cls.__mro__ if "__init__" in vars(c)]
+    init_fn = vars(next((c for c in owners if c.__name__ == MODEL_CLASS), owners[0]))["__init__"]
     if deferred.is_trigger(init_fn):
         init_fn = init_fn.__wrapped__
     seen: list[Any] = []
