@@ -105,6 +105,7 @@ def collect(out: Path, specs: list[str]) -> list[dict]:
                                       if v.get("models")}
             row["labels"] = {name: v.get("label", name) for name, v in (info.get("fixes") or {}).items()}
             row["observed"] = info.get("observed") or {}
+            row["backports"] = info.get("backports") or {}
         rows.append(row)
     return rows
 
@@ -314,6 +315,53 @@ def render_releases(data: dict) -> str:
         f"transformers matrix and the quantized checkpoints: [docs/results/matrix.md](docs/results/matrix.md).")
 
 
+def _member_cell(r: dict, backport: dict) -> str:
+    """One environment's answer for one backported member: how this vLLM serves it, from the backport's probe on
+    stock vLLM and the fixes' probes on that member's classes."""
+    fixes = sum(1 for v in (r.get("member_verdicts") or {}).values() if v.get(backport["member"]) == "broken")
+    if backport["verdict"] == "missing":
+        return f"registered by the hotfix, {fixes} fixes"
+    if backport["verdict"] == "correct" and backport["reason"].startswith("vLLM's own"):
+        return f"vLLM's own, {fixes} fixes"
+    return "cannot be served: " + backport["reason"].split(":")[0]
+
+
+def render_members(data: dict) -> str:
+    """README's first-screen table: which family member each release serves, and how -- vLLM's own classes with the
+    hotfix's fixes, registered by the hotfix (a backport), or not at all and why. A release measured with several
+    transformers versions names the version where the answers differ."""
+    by_release: dict[str, list[dict]] = {}
+    for r in data["environments"]:
+        if r.get("verdicts"):
+            by_release.setdefault((r.get("vllm") or r["environment"]).split("+")[0], []).append(r)
+    members: list[tuple[str, str]] = []
+    for envs in by_release.values():
+        for r in envs:
+            for name, b in (r.get("backports") or {}).items():
+                if (name, b["member"]) not in members:
+                    members.append((name, b["member"]))
+    applied = {row["release"]: len(row["applied"]) for row in releases(data)}
+    lines = ["| " + " | ".join(["vLLM", "MiniCPM-V 4.6", *(m for _, m in members)]) + " |",
+             "|---|---|" + "---|" * len(members)]
+    for rel in sorted(by_release, key=_version_key):
+        envs = by_release[rel]
+        cells = [f"vLLM's own, {applied.get(rel, 0)} fixes"]
+        for name, _ in members:
+            answers: dict[str, list[str]] = {}
+            for r in envs:
+                b = (r.get("backports") or {}).get(name)
+                answers.setdefault(_member_cell(r, b) if b else "not measured", []).append(r.get("transformers", "?"))
+            if len(answers) == 1:
+                cells.append(next(iter(answers)))
+            else:
+                cells.append("; ".join(f"{a} (transformers {', '.join(sorted(t, key=_version_key))})"
+                                       for a, t in answers.items()))
+        lines.append(f"| {rel} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        f"\n\nFrom the probes of `scripts/test --record` at commit `{data['commit']}` on stock vLLM in each "
+        f"environment; a fix counts where its probe finds that member's classes broken.")
+
+
 #: The page docs/results/matrix.md, generated whole by ``readme`` (its first line says so).
 MATRIX = RESULTS / "matrix.md"
 
@@ -327,7 +375,7 @@ def render_matrix(data: dict) -> str:
             "(one row per release) is drawn from the same run.\n\n" + render_verdicts(data) + "\n")
 
 
-SECTIONS = {"run": render_run, "releases": render_releases}
+SECTIONS = {"run": render_run, "releases": render_releases, "members": render_members}
 
 
 def render_readme(text: str, data: dict) -> str:

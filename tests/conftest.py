@@ -215,9 +215,18 @@ def pytest_sessionfinish(session, exitstatus):
         verdicts[fix.NAME]["models"] = {
             m: (fix.probe(view).state.value if m in _base.models_of(fix) else "n/a") for m, view in members.items()
         }
+    # Every backport's probe here (on stock vLLM: nothing is left registered between tests): which family members
+    # this vLLM lacks and the hotfix registers ("missing"), has itself ("correct") or cannot be given ("unrecognised").
+    from vllm_minicpm_hotfix.backports import BACKPORTS
+
+    backports = {}
+    for backport in BACKPORTS:
+        v = backport.probe()
+        backports[backport.NAME] = {"member": backport.MEMBER, "verdict": v.state.value, "reason": v.reason}
     Path(report).write_text(
         json.dumps(
             {
+                "backports": backports,
                 "vllm": vllm.__version__,
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,

@@ -32,7 +32,7 @@ def test_generated_sections_match_the_recorded_run():
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     text = (REPO / "README.md").read_text()
-    for name in ("releases", "run"):
+    for name in ("members", "releases", "run"):
         body = re.search(rf"<!-- results:{name} -->\n(.*?)\n<!-- /results:{name} -->", text, re.S)
         assert body and body.group(1).strip(), f"README's {name} section is empty"
     assert f"`{data['commit']}`" in text
@@ -57,6 +57,27 @@ def test_one_row_per_release_naming_its_fixes():
     assert set(rows) == set(wanted)
     for release, broken in wanted.items():
         assert set(re.findall(r"`(\w+)`", rows[release][3])) == broken, release
+
+
+def test_members_table_says_how_each_release_serves_each_member():
+    """README's first-screen table: per release, each backported member is "registered by the hotfix" where the
+    recorded backport probe found vLLM lacking it, "vLLM's own" where vLLM registers it (read from the JSON here)."""
+    data = json.loads((REPO / "docs/results/test-run.json").read_text())
+    section = re.search(r"<!-- results:members -->\n(.*?)\n<!-- /results:members -->",
+                        (REPO / "README.md").read_text(), re.S).group(1)
+    lines = section.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {cells[0]: cells for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:])
+            if re.fullmatch(r"\d+\.\d+\.\d+", cells[0])}
+    for env in data["environments"]:
+        for b in (env.get("backports") or {}).values():
+            cell = rows[env["vllm"].split("+")[0]][header.index(b["member"])]
+            if b["verdict"] == "missing":
+                assert "registered by the hotfix" in cell, (env["environment"], cell)
+            elif b["reason"].startswith("vLLM's own"):
+                assert "vLLM's own" in cell, (env["environment"], cell)
+            else:
+                assert "cannot be served" in cell, (env["environment"], cell)
 
 
 def test_links_lead_to_files():
