@@ -41,9 +41,9 @@ REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "tests")]
 
 from support import load_mix  # noqa: E402
-from support.venvs import build_wheel, clean_env, overlay_env, pip_install  # noqa: E402
+from support.venvs import clean_env  # noqa: E402
 from support.server import HEALTHY_WITHIN_S, Server  # noqa: E402
-from request_inproc import real_geometry  # noqa: E402
+from serve_bench import stock_and_hotfix  # noqa: E402
 
 MAX_TOKENS = 8
 GUARD_ABOVE_IDLE = 8 * 2**30
@@ -136,13 +136,7 @@ def measure(python: Path, name: str, work: Path, ckpt: Path, seconds: float, war
 
 def main(out_dir: str, seconds: float, warmup: float, concurrency: int, rounds: int, max_requests: int) -> dict:
     work = Path(out_dir)
-    t0 = time.perf_counter()
-    wheel = build_wheel(work / "wheel")
-    stock = overlay_env(work / "stock", wrapt=True)
-    hotfix = overlay_env(work / "hotfix", wrapt=True)
-    pip_install(hotfix, str(wheel))
-    ckpt = real_geometry(REPO, work / "ckpt")
-    print(f"[load bench] environments ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    stock, hotfix, ckpt = stock_and_hotfix(work, "load bench")
     res: dict = {"A": [], "B": []}
     for i in range(rounds):
         for which in (("A", "B") if i % 2 == 0 else ("B", "A")):

@@ -164,15 +164,23 @@ def measure(python: Path, name: str, work: Path, ckpt: Path, batches: list[list[
         server.stop()
 
 
-def main(out_dir: str, rounds: int, n_batches: int, n_requests: int, concurrency: int = 4) -> dict:
-    work = Path(out_dir)
+def stock_and_hotfix(work: Path, label: str) -> tuple[Path, Path, Path]:
+    """The two sides of a serving benchmark under ``work``: a stock overlay of this interpreter's vLLM, the same with
+    the wheel pip-installed (the ``.pth`` route), and the real-geometry tiny checkpoint. Returns the stock and hotfix
+    interpreters and the checkpoint folder."""
     t0 = time.perf_counter()
     wheel = build_wheel(work / "wheel")
     stock = overlay_env(work / "stock", wrapt=True)
     hotfix = overlay_env(work / "hotfix", wrapt=True)
     pip_install(hotfix, str(wheel))
     ckpt = real_geometry(REPO, work / "ckpt")
-    print(f"[serve bench] environments ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    print(f"[{label}] environments ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return stock, hotfix, ckpt
+
+
+def main(out_dir: str, rounds: int, n_batches: int, n_requests: int, concurrency: int = 4) -> dict:
+    work = Path(out_dir)
+    stock, hotfix, ckpt = stock_and_hotfix(work, "serve bench")
     batches = [images(n_requests, seed=100 + j) for j in range(n_batches)]
     res = {"A": [], "B": []}
     for i in range(rounds):

@@ -47,8 +47,8 @@ from support.environment import hotfix_mode_set
 from support.hotfix import hotfix
 from support.paths import REPO
 from support.prompt import (
-    MODEL_KWARGS, PREREQUISITES, PROMPT, REQUEST_KWARGS, V47_ENVS, assert_all_equal, image, make_pair, seeded_sizes, sizes_for, stock,
-    video, vllm_ids, with_hotfix,
+    MODEL_KWARGS, PREREQUISITES, PROMPT, REQUEST_KWARGS, V47_ENVS, assert_all_equal, image, make_pair, processed,
+    seeded_sizes, sizes_for, stock, video, vllm_ids, with_hotfix,
 )
 from vllm_minicpm_hotfix import backports, record
 from vllm_minicpm_hotfix.backports import canvas, minicpmv4_7 as bp
@@ -332,25 +332,6 @@ POSITION_CASES = [
 ]
 
 
-def _processed(pair, modality: str, items: list, kwargs: dict):
-    """vLLM's processor output for one prompt (as its renderer calls ``apply``)."""
-    import dataclasses
-
-    from vllm.multimodal.processing.context import TimingContext
-    from vllm.multimodal.processing.inputs import ProcessorInputs
-
-    proc = pair.vllm
-    tok = proc.info.get_tokenizer()
-    pad = tok.image_token if modality == "image" else tok.video_token
-    prompt = tok.encode(PROMPT.format(mm=pad * len(items)), add_special_tokens=False)
-    fields = {f.name for f in dataclasses.fields(ProcessorInputs)}
-    args = dict(prompt=prompt, mm_data_items=proc.info.parse_mm_data({modality: items}),
-                hf_processor_mm_kwargs=dict(kwargs))
-    if "tokenization_kwargs" in fields:
-        args["tokenization_kwargs"] = {}
-    return proc.apply(ProcessorInputs(**args), TimingContext(enabled=False))
-
-
 def _features(out) -> list:
     """The request's items as vLLM's engine hands them to ``get_mrope_input_positions`` (``MultiModalFeatureSpec``:
     ``modality``, ``data`` -- the processor's own ``MultiModalKwargsItem`` --, ``mm_position``)."""
@@ -384,7 +365,7 @@ def test_positions_equal_transformers(m46, ckpts, registered):
     with with_hotfix(m46):
         for label, modality, specs, kw in POSITION_CASES:
             items = [image(*s) if modality == "image" else video(*s) for s in specs]
-            out = _processed(pair, modality, items, kw)
+            out = processed(pair, modality, items, kw)
             ids = list(out["prompt_token_ids"])
             pad = pair.hf.image_token if modality == "image" else pair.hf.video_token
             text = [PROMPT.format(mm=pad * len(items))]

@@ -18,21 +18,14 @@ Output line: ``RESULT {"status": status()["fixes"], "results": {name: {"prompt_t
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-os.environ.update(
-    VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    VLLM_TARGET_DEVICE="cpu",
-    VLLM_CPU_KVCACHE_SPACE="1",
-    VLLM_CPU_OMP_THREADS_BIND="nobind",
-    HF_HUB_OFFLINE="1",
-    TRANSFORMERS_OFFLINE="1",
-    VLLM_NO_USAGE_STATS="1",
-)
+from cpu_engine_env import use_cpu_engine_env  # noqa: E402 - this folder is on sys.path
+
+use_cpu_engine_env()
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 

@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from support.hostile_driver import rss_bytes
+
 KINDS = ("image", "repeat", "video", "refused")
 ROLES = ("api", "engine", "worker")
 MIB = 2**20
@@ -229,18 +231,6 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_bytes(pid: int) -> int:
-    """``VmRSS`` of ``/proc/PID/status`` in bytes, 0 if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return 0
 
 
 def group_rss_bytes(pgid: int) -> int:

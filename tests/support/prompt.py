@@ -248,8 +248,9 @@ def _hf_processor(checkpoint: str):
     return _HF[checkpoint]
 
 
-def vllm_ids(pair: Pair, modality: str, items: list, request_kwargs: dict) -> list[int]:
-    """The prompt token ids vLLM's processor builds (``processor.apply``, as its renderer calls it)."""
+def processed(pair: Pair, modality: str, items: list, request_kwargs: dict):
+    """vLLM's processor output for :data:`PROMPT` with ``items`` (``processor.apply``, as its renderer calls it):
+    the ``MultiModalInputs`` mapping (``prompt_token_ids``, ``mm_kwargs``, ``mm_placeholders``...)."""
     from vllm.multimodal.processing.context import TimingContext
     from vllm.multimodal.processing.inputs import ProcessorInputs
 
@@ -264,7 +265,12 @@ def vllm_ids(pair: Pair, modality: str, items: list, request_kwargs: dict) -> li
         kwargs["tokenization_kwargs"] = {}
     if "cache" in fields and getattr(proc, "_hotfix_test_cache", None) is not None:
         kwargs["cache"] = proc._hotfix_test_cache
-    return list(proc.apply(ProcessorInputs(**kwargs), TimingContext(enabled=False))["prompt_token_ids"])
+    return proc.apply(ProcessorInputs(**kwargs), TimingContext(enabled=False))
+
+
+def vllm_ids(pair: Pair, modality: str, items: list, request_kwargs: dict) -> list[int]:
+    """The prompt token ids vLLM's processor builds (:func:`processed`)."""
+    return list(processed(pair, modality, items, request_kwargs)["prompt_token_ids"])
 
 
 def hf_ids(pair: Pair, modality: str, items: list, request_kwargs: dict) -> list[int]:

@@ -53,7 +53,6 @@ stand-in cannot be run, ``unrecognised`` if the classes or methods are not there
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 from collections.abc import Mapping

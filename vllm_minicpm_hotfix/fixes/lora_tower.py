@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 

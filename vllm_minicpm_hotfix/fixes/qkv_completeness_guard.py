@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Iterable
 from types import MethodType, ModuleType
 from typing import Any
 
