@@ -515,7 +515,7 @@ def test_verify_not_a_checkpoint(setups, tmp_path):
 def test_verify_other_model(setups, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     line = _bad_input(setups, ["--model", str(tmp_path)])
-    assert "is not a MiniCPM-V 4.6 checkpoint: config.json has model_type 'llama'" in line
+    assert "is not a MiniCPM-V 4.6-family checkpoint: config.json has model_type 'llama'" in line
 
 
 def test_verify_wrong_shape(setups, tmp_path):

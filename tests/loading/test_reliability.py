@@ -438,10 +438,13 @@ def test_unrecognised_vllm_layout_real_interpreter(tmp_path, mode):
     applied = [n for n in names() if rec[n]["applied"]]
     assert summary["applied"] == applied and (mode == "force" or applied == []), log
     # Not "could not tell": video_loader judges vLLM's serving code, which this stand-in has none of (correct, not
+    # applicable), canvas_mrope finds no 4.7 class with a canvas M-RoPE (nothing to correct: correct, not
     # applicable), and quantized_vision waits for the first model built with a quant config (deferred).
     others = {n: rec[n]["verdict"] for n in names() if n not in applied and n not in summary["could_not_tell"]}
-    assert others == {"video_loader": "correct", "quantized_vision": "deferred"}, (others, log)
-    assert not rec["video_loader"]["applied"] and rec["quantized_vision"]["first_use"]
+    assert others == {"video_loader": "correct", "canvas_mrope": "correct", "quantized_vision": "deferred"}, (
+        others, log)
+    assert not rec["video_loader"]["applied"] and not rec["canvas_mrope"]["applied"]
+    assert rec["quantized_vision"]["first_use"]
     assert all(rec[n]["verdict"] in ("unrecognised", "undetermined") for n in summary["could_not_tell"])
     assert out["status"]["fixes"]["qkv_completeness_guard"]["why"].startswith("layout not recognised")
     assert "torch" not in out["names"] and "Traceback" not in log

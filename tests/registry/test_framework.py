@@ -171,7 +171,7 @@ FLOORS = (
     ("record", "decision", "_wrapt", "checkpoint", "quant_layout", "metrics"),
     ("fixes._base", "fixes._proxies", "fixes._mm_prompt", "fixes._stand_ins"),  # the framework (with its parts)
     ("fixes.*",),  # each fix
-    ("fixes",),  # the registry
+    ("fixes", "backports"),  # the registry; the backports (models vLLM lacks), beside it
     ("hook",),
     ("_bootstrap", "plugin", ""),  # the activation and the package itself
     ("cli", "__main__"),

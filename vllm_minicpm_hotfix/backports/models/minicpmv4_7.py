@@ -40,6 +40,7 @@ import torch
 from vllm.model_executor.models import minicpmv4_6 as _m46
 from vllm.model_executor.models.minicpmv import MiniCPMVDummyInputsBuilder
 from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.model_executor.models.utils import StageMissingLayer
 
 from .. import canvas
 from ...record import logger
@@ -206,7 +207,9 @@ class MiniCPMV4_7ForConditionalGeneration(_m46.MiniCPMV4_6ForConditionalGenerati
         config = vllm_config.model_config.hf_config
         with keeps_every_vision_layer(config):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if is_moe_text(config.text_config):
+        # An encoder-only instance (vLLM's ``mm_encoder_only``, as ``verify`` builds) has a ``StageMissingLayer`` in
+        # place of the text tower: nothing to make sparse.
+        if is_moe_text(config.text_config) and not isinstance(self.language_model, StageMissingLayer):
             self.language_model = as_moe_text_tower(self.language_model)
         self.canvas_markers = canvas_markers(config, vllm_config.model_config.tokenizer)
 

@@ -1,4 +1,5 @@
-"""``vllm-minicpm-hotfix verify``: load a MiniCPM-V 4.6 checkpoint through *this* vLLM and compare bit for bit.
+"""``vllm-minicpm-hotfix verify``: load a MiniCPM-V 4.6-family checkpoint (4.6, 4.7 dense or MoE) through *this* vLLM
+and compare bit for bit.
 
     vllm-minicpm-hotfix verify                          # the tiny checkpoint shipped in the package: a self-test
     vllm-minicpm-hotfix verify --model /models/MiniCPM-V-4.6
@@ -6,7 +7,9 @@
 
 What it does, in order:
 
-1. Checks the checkpoint without importing vLLM or torch: ``config.json`` says MiniCPM-V 4.6, the safetensors files
+1. Checks the checkpoint without importing vLLM or torch: ``config.json`` names a family member
+   (:data:`~vllm_minicpm_hotfix.cli.verify.checkpoint.MEMBERS`: 4.6 or 4.7, whose text tower, dense or MoE, is
+   printed; 4.7 keeps 4.6's window merger), the safetensors files
    (one file or sharded through ``model.safetensors.index.json``) are complete and hold the window-merger attention
    tensors ``...vit_merger.self_attn.{q,k,v,out}_proj.{weight,bias}`` with the shapes the config implies. Any problem
    is *bad input*: one line, exit 2.
@@ -156,7 +159,11 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     except (BadInput, VerifyFailed):
         raise
     except Exception as exc:  # vLLM's own error, on one line
-        raise _failed(args, f"vLLM {version} could not build the model", exc) from exc
+        what = "the model"
+        if ckpt.member != "MiniCPM-V 4.6":
+            what = (f"{ckpt.member} ({ckpt.architecture}; " + ("hotfix active" if active else "hotfix not active: "
+                    "it registers this architecture where vLLM lacks it") + ")")
+        raise _failed(args, f"vLLM {version} could not build {what}", exc) from exc
     times["build"] = time.perf_counter() - t
     keep = language_model_filter(built, ckpt)
     fed = [n for n in ckpt.tensors if keep(n)]

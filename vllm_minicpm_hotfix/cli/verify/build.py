@@ -149,6 +149,8 @@ def _build(ckpt: Checkpoint, module: Any, *, device: str, dtype: str, encoder_on
 
             model_cls, _ = get_model_architecture(model_config)
         except Exception:  # noqa: BLE001 - an older/newer layout of vLLM's loader utils: the module's own class
+            if ckpt.architecture != ARCHITECTURE:
+                raise  # another member's class is not the 4.6 module's: vLLM's own error says why
             model_cls = getattr(module, ARCHITECTURE)
     model = construct_model(model_cls, vllm_config, device)
     if encoder_only and not getattr(model, "_language_model_names", None):

@@ -30,6 +30,15 @@ from ...fixes.qkv_loader import MODEL_CLASS, SHARD_IDS
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-minicpm-v46"
 MODEL_TYPE = "minicpmv4_6"
 ARCHITECTURE = MODEL_CLASS
+#: The family members verify knows: ``config.json``'s ``model_type`` -> (member, architecture). 4.7's checkpoints
+#: (1B dense, 35B-A3B MoE) keep 4.6's vision tower and window merger (transformers' ``minicpmv4_7``), so the
+#: same q/k/v comparison holds for them.
+MEMBERS = {
+    MODEL_TYPE: ("MiniCPM-V 4.6", ARCHITECTURE),
+    "minicpmv4_7": ("MiniCPM-V 4.7", "MiniCPMV4_7ForConditionalGeneration"),
+}
+#: The text config ``model_type`` of 4.7's sparse text tower (transformers' ``Qwen3_5MoeTextConfig``).
+MOE_TEXT = "qwen3_5_moe_text"
 #: Where checkpoints keep the window-merger attention (transformers >= 5.7 layout first, the older flat one second;
 #: vLLM's ``hf_to_vllm_mapper`` maps both to ``vit_merger.``).
 ATTN_PREFIXES = ("model.vision_tower.vit_merger.self_attn.", "model.vit_merger.self_attn.")
@@ -69,6 +78,24 @@ class Checkpoint:
     tensors: dict[str, TensorMeta]
     attn_prefix: str
     sharded: bool
+
+    @property
+    def member(self) -> str:
+        """The family member ``config.json`` names (``"MiniCPM-V 4.6"``, ``"MiniCPM-V 4.7"``)."""
+        return member_of(self.config)[0]
+
+    @property
+    def architecture(self) -> str:
+        """The architecture vLLM must resolve for it (``MiniCPMV4_7ForConditionalGeneration``, ...)."""
+        return member_of(self.config)[1]
+
+    @property
+    def text_tower(self) -> str:
+        """The text tower in words: ``"dense"``, or ``"MoE: E experts, top-K"`` for a sparse ``text_config``."""
+        text = self.config.get("text_config") or {}
+        if text.get("model_type") == MOE_TEXT or text.get("num_experts"):
+            return f"MoE: {text.get('num_experts', '?')} experts, top-{text.get('num_experts_per_tok', '?')}"
+        return "dense"
 
     def attn(self, proj: str, suffix: str) -> str:
         return f"{self.attn_prefix}{proj}.{suffix}"
@@ -218,6 +245,15 @@ def weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
         raise BadInput(str(exc)) from exc
 
 
+def member_of(config: dict) -> tuple[str, str]:
+    """``(member, architecture)`` of a ``config.json`` (by ``model_type``, else by ``architectures``); 4.6's for
+    anything else (:func:`inspect_checkpoint` has refused a config no member names)."""
+    if config.get("model_type") in MEMBERS:
+        return MEMBERS[config["model_type"]]
+    archs = config.get("architectures") or []
+    return next((m for m in MEMBERS.values() if m[1] in archs), MEMBERS[MODEL_TYPE])
+
+
 def inspect_checkpoint(path: Path, source: str) -> Checkpoint:
     """Read ``config.json`` and every safetensors header; raise :class:`BadInput` on anything that is not a usable
     MiniCPM-V 4.6 checkpoint (the message is one line naming the file or tensor)."""
@@ -229,10 +265,11 @@ def inspect_checkpoint(path: Path, source: str) -> Checkpoint:
     config = _read_json(cfg_file)
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
-    if model_type != MODEL_TYPE and ARCHITECTURE not in archs:
+    if model_type not in MEMBERS and not any(arch in archs for _, arch in MEMBERS.values()):
         raise BadInput(
-            f"{path} is not a MiniCPM-V 4.6 checkpoint: config.json has model_type {model_type!r}, architectures "
-            f"{archs} (expected model_type {MODEL_TYPE!r}, {ARCHITECTURE})"
+            f"{path} is not a MiniCPM-V 4.6-family checkpoint: config.json has model_type {model_type!r}, "
+            f"architectures {archs} (expected model_type {' or '.join(map(repr, MEMBERS))}, "
+            f"{' or '.join(arch for _, arch in MEMBERS.values())})"
         )
 
     files, weight_map = weight_files(path)

@@ -25,6 +25,7 @@ def header(ckpt: Checkpoint, *, device: str, dtype: str, stored: str | None) -> 
     dists = vllm_distributions()
     vllm = ", ".join(f"{d} {v}" for d, v in dists) if dists else "absent"
     _line("checkpoint", ckpt.source)
+    _line("", f"{ckpt.member} ({ckpt.architecture}), text tower {ckpt.text_tower}")
     _line("", f"{files}, {len(ckpt.tensors)} tensors, {fmt_bytes(ckpt.nbytes)}; vit_merger at {ckpt.attn_prefix}*")
     _line("vLLM", f"{vllm}; device {device}; dtype {dtype}" + (f" (stored {stored})" if stored else ""))
 
