@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a tiny, reproducible MiniCPM-V 4.6 checkpoint in Hugging Face format.
 
-    python scripts/make_tiny_checkpoint.py OUT_DIR [--untied] [--seed N] [--member 4.7 [--moe] [--scale-resolution 448]]
+    python scripts/make_tiny_checkpoint.py OUT_DIR [--untied] [--seed N] [--member 4.7|ocr [--moe] [--scale-resolution 448]]
 
 The model is built with transformers' own classes (transformers >= 5.7: ``MiniCPMV4_6Config``,
 ``MiniCPMV4_6ForConditionalGeneration``, ``MiniCPMV4_6Processor``), so its weight names are exactly the real
@@ -24,6 +24,11 @@ Default: tied word embeddings (no ``lm_head.weight``), like the real checkpoint.
 transformers' auto classes pair them), same sizes and tokenizer, with the canvas M-RoPE ids (``image_start_id``,
 ``image_end_id``, ``slice_start_id``, ``slice_end_id``, ``newline_id``) resolved from the tokenizer as transformers'
 conversion script does.  ``--scale-resolution`` sets the processor's (default 112; the real checkpoints' is 448).
+
+``--member ocr`` writes a MiniCPM-OCR checkpoint (transformers >= 5.24: ``MiniCPMOcrConfig``,
+``MiniCPMOcrForConditionalGeneration``, ``MiniCPMOcrProcessor`` over ``MiniCPMOcrImageProcessor`` and
+``MiniCPMOcrVideoProcessor``): the 4.6 layout with OCR's ``"4x"`` default downsample mode and the image processor's
+``small_image_upsize`` at its default (``"always"``); same sizes and tokenizer.
 
 ``--moe`` (with ``--member 4.7`` only) gives that checkpoint a ``qwen3_5_moe_text`` text tower, the layout of the
 35B-A3B member: every decoder layer's MLP is a sparse MoE block of ``TEXT_MOE["num_experts"]`` (4) routed experts,
@@ -296,24 +301,36 @@ def build_config(tied: bool, member: str = "4.6", tokenizer=None, moe: bool = Fa
         )
     else:
         extra = dict(drop_vision_last_layer=False)
-    tag = member.replace(".", "_")
-    cfg = getattr(transformers, f"MiniCPMV{tag}Config")(
+    if member == "ocr":  # MiniCPMOcrConfig has neither drop_vision_last_layer nor image_size
+        extra = {}
+    prefix = _class_prefix(member)
+    cfg = getattr(transformers, f"{prefix}Config")(
         text_config=text,
         vision_config=dict(VISION, insert_layer_id=INSERT_LAYER_ID),
         insert_layer_id=INSERT_LAYER_ID,
-        image_size=SCALE_RESOLUTION,
+        **({} if member == "ocr" else {"image_size": SCALE_RESOLUTION}),
         **extra,
         image_token_id=SPECIAL_ID["<|image_pad|>"],
         video_token_id=SPECIAL_ID["<|video_pad|>"],
         tie_word_embeddings=tied,
-        downsample_mode="16x",
+        downsample_mode=_mode(member),
         merge_kernel_size=[2, 2],
         merger_times=1,
         pad_token_id=SPECIAL_ID[PAD_TOKEN],
         eos_token_id=SPECIAL_ID[EOS_TOKEN],
     )
-    cfg.architectures = [f"MiniCPMV{tag}ForConditionalGeneration"]
+    cfg.architectures = [f"{prefix}ForConditionalGeneration"]
     return cfg
+
+
+def _class_prefix(member: str) -> str:
+    """transformers' class-name prefix of a member: ``MiniCPMV4_6``, ``MiniCPMV4_7``, ``MiniCPMOcr``."""
+    return "MiniCPMOcr" if member == "ocr" else f"MiniCPMV{member.replace('.', '_')}"
+
+
+def _mode(member: str) -> str:
+    """The default downsample mode the checkpoint states: OCR reads documents at ``"4x"``, 4.6/4.7 at ``"16x"``."""
+    return "4x" if member == "ocr" else "16x"
 
 
 def _generator(seed: int, name: str):
@@ -381,7 +398,7 @@ def build_model(seed: int, tied: bool, member: str = "4.6", tokenizer=None, moe:
 
     torch.manual_seed(seed)  # only affects HF's own init, which randomize_ overwrites entirely
     cfg = build_config(tied, member, tokenizer, moe)
-    cls = getattr(transformers, f"MiniCPMV{member.replace('.', '_')}ForConditionalGeneration")
+    cls = getattr(transformers, f"{_class_prefix(member)}ForConditionalGeneration")
     model = cls(cfg).to(torch.float32).eval()
     randomize_(model, seed, init_std)
     if tied:
@@ -403,12 +420,16 @@ def build_processor(tokenizer, member: str = "4.6", scale_resolution: int = SCAL
         scale_resolution=scale_resolution,
         max_slice_nums=MAX_SLICE_NUMS,
         slice_mode=True,
-        downsample_mode="16x",
+        downsample_mode=_mode(member),
         use_image_id=True,
     )
-    image_processor = ipm.MiniCPMV4_6ImageProcessor(**common)
-    video_processor = MiniCPMV4_6VideoProcessor(**common) if MiniCPMV4_6VideoProcessor else None
-    return getattr(transformers, f"MiniCPMV{member.replace('.', '_')}Processor")(
+    if member == "ocr":  # OCR's own image and video processors (its grid alignment and small-image upsize)
+        image_processor = transformers.MiniCPMOcrImageProcessor(**common)
+        video_processor = transformers.MiniCPMOcrVideoProcessor(**common)
+    else:
+        image_processor = ipm.MiniCPMV4_6ImageProcessor(**common)
+        video_processor = MiniCPMV4_6VideoProcessor(**common) if MiniCPMV4_6VideoProcessor else None
+    return getattr(transformers, f"{_class_prefix(member)}Processor")(
         image_processor=image_processor,
         video_processor=video_processor,
         tokenizer=tokenizer,
@@ -463,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--untied", action="store_true", help="tie_word_embeddings=False, write lm_head.weight")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--member", choices=("4.6", "4.7"), default="4.6", help="the MiniCPM-V family member to write")
+    ap.add_argument("--member", choices=("4.6", "4.7", "ocr"), default="4.6", help="the MiniCPM-V family member to write")
     ap.add_argument("--scale-resolution", type=int, default=SCALE_RESOLUTION, help="the processor's slice resolution")
     ap.add_argument("--moe", action="store_true", help="4.7 only: a qwen3_5_moe_text text tower (4 experts, top-2)")
     ap.add_argument("--init-std", type=float, default=None,

@@ -9,10 +9,18 @@
   backport's class loads both checkpoints exactly; with ``qkv_loader`` left out, 0.28's own q/k/v loader fails on
   the 4.7 class as on 4.6 (``k_proj``), so the PASS is the fix's and not a comparison that cannot fail.
 * 0.32.0 (vLLM's own 4.7 classes): the MoE checkpoint loads exactly.
+* MiniCPM-OCR, which the hotfix does not backport: verify names it and says why vLLM cannot build it here, and doctor
+  says whether this vLLM serves it. 0.28.0 (transformers 5.24.0 has ``minicpm_ocr``; vLLM has no OCR class): an OCR
+  checkpoint written by transformers (``--member ocr``) fails with vLLM's "not supported" error, verify adding that
+  the hotfix has no backport of it. 0.33.0 registers ``MiniCPMOcrForConditionalGeneration`` but requires a
+  transformers (< 5.21) without ``minicpm_ocr``, so vLLM cannot read an OCR ``config.json`` at all; that environment's
+  transformers cannot write an OCR checkpoint either, so the test's checkpoint is a 4.6 one written by it whose
+  ``config.json`` names ``minicpm_ocr`` (vLLM stops at the config, before any weight is read).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -20,17 +28,17 @@ from pathlib import Path
 
 import pytest
 from support.backport47 import write_checkpoint
-from support.paths import REPO
+from support.paths import MAKE_CHECKPOINT, REPO
 from support.venvs import clean_env
 
-pytestmark = pytest.mark.placed("0.28.0", "0.32.0")
+pytestmark = pytest.mark.placed("0.28.0", "0.32.0", "0.33.0")
 
 PARAMS = [f"vit_merger.self_attn.{m}.{s}" for m in ("qkv_proj", "out_proj") for s in ("weight", "bias")]
 TOWER = {"dense": "text tower dense", "moe": "text tower MoE: 4 experts, top-2"}
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
+def ckpts(tmp_path_factory) -> dict[str, Path]:  # 4.7: transformers >= 5.19 (0.28.0, 0.32.0)
     root = tmp_path_factory.mktemp("verify47")
     return {"dense": write_checkpoint(root / "dense"), "moe": write_checkpoint(root / "moe", "--moe")}
 
@@ -59,6 +67,7 @@ def assert_exact(proc: subprocess.CompletedProcess, kind: str) -> None:
 
 #: 0.32.0 runs the MoE checkpoint only (vLLM's own classes; the dense one costs a start there and shows no more).
 @pytest.mark.parametrize("kind", [pytest.param("dense", marks=pytest.mark.placed("0.28.0")), "moe"])
+@pytest.mark.placed("0.28.0", "0.32.0")
 def test_verify_loads_4_7_exactly(ckpts, kind):
     assert_exact(verify(ckpts[kind], hotfix=True), kind)
 
@@ -81,3 +90,49 @@ def test_verify_fails_on_0_28_loader_without_qkv_loader(ckpts):
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout
     assert "own load_weights raised (hotfix active)" in last and "k_proj" in last, last
+
+
+OCR_ARCH = "MiniCPMOcrForConditionalGeneration"
+
+
+@pytest.mark.placed("0.28.0")
+def test_verify_names_ocr_and_says_the_hotfix_has_no_backport(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ocr", member="ocr")
+    assert '"model_type": "minicpm_ocr"' in (ckpt / "config.json").read_text()
+    proc = verify(ckpt, hotfix=True)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout
+    assert f"MiniCPM-OCR ({OCR_ARCH}), text tower dense" in proc.stdout, proc.stdout
+    assert "hotfix      active" in proc.stdout
+    assert last.startswith(f"FAIL: vLLM 0.28.0 could not build MiniCPM-OCR ({OCR_ARCH}; not registered by this vLLM, "
+                           "and the hotfix has no backport of it): "), last
+    assert "are not supported for now" in last, last
+
+
+@pytest.mark.placed("0.33.0")
+def test_ocr_on_0_33_needs_a_transformers_it_does_not_allow(tmp_path):
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    assert "minicpm_ocr" not in CONFIG_MAPPING_NAMES  # the transformers vLLM 0.33 requires
+    ckpt = tmp_path / "ocr"
+    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(ckpt)], check=True, capture_output=True)
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(model_type="minicpm_ocr", architectures=[OCR_ARCH], downsample_mode="4x")
+    (ckpt / "config.json").write_text(json.dumps(config))
+    proc = verify(ckpt, hotfix=True)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout
+    assert last.startswith(f"FAIL: vLLM 0.33.0 could not build MiniCPM-OCR ({OCR_ARCH}; registered by vLLM; "
+                           f"transformers {transformers.__version__} has no minicpm_ocr): "), last
+    assert "does not recognize this architecture" in last, last
+
+    doctor = subprocess.run([sys.executable, "-m", "vllm_minicpm_hotfix", "doctor", "--json"], cwd=REPO,
+                            env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=900,
+                            stdin=subprocess.DEVNULL)
+    rows = {r["check"]: r for r in json.loads(doctor.stdout)["checks"]}
+    row = rows["member MiniCPM-OCR"]
+    assert row["status"] == "-", row
+    assert row["detail"].startswith(f"not served here: vLLM has {OCR_ARCH}, but transformers "
+                                    f"{transformers.__version__} (vLLM requires transformers<"), row
+    assert row["detail"].endswith("has no minicpm_ocr: vLLM cannot read such a checkpoint's config"), row

@@ -50,10 +50,11 @@ def noise_image(width: int, height: int, seed: int):
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
 
 
-def write_checkpoint(dest: Path, *extra: str) -> Path:
-    """``scripts/make_tiny_checkpoint.py DEST --member 4.7 --scale-resolution 448 EXTRA...`` with this environment's
-    transformers (the real processor geometry: patch 14, ``scale_resolution`` 448, ``max_slice_nums`` 9)."""
-    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(dest), "--member", "4.7", "--scale-resolution", "448",
+def write_checkpoint(dest: Path, *extra: str, member: str = "4.7") -> Path:
+    """``scripts/make_tiny_checkpoint.py DEST --member MEMBER --scale-resolution 448 EXTRA...`` with this
+    environment's transformers (the real processor geometry: patch 14, ``scale_resolution`` 448, ``max_slice_nums``
+    9); ``member`` ``"ocr"`` for MiniCPM-OCR (transformers >= 5.24)."""
+    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(dest), "--member", member, "--scale-resolution", "448",
                     *extra], check=True, capture_output=True)
     return dest
 

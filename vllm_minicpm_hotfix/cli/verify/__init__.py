@@ -1,4 +1,4 @@
-"""``vllm-minicpm-hotfix verify``: load a MiniCPM-V 4.6-family checkpoint (4.6, 4.7 dense or MoE) through *this* vLLM
+"""``vllm-minicpm-hotfix verify``: load a MiniCPM-V 4.6-family checkpoint (4.6, 4.7 dense or MoE, OCR) through *this* vLLM
 and compare bit for bit.
 
     vllm-minicpm-hotfix verify                          # the tiny checkpoint shipped in the package: a self-test
@@ -8,8 +8,8 @@ and compare bit for bit.
 What it does, in order:
 
 1. Checks the checkpoint without importing vLLM or torch: ``config.json`` names a family member
-   (:data:`~vllm_minicpm_hotfix.cli.verify.checkpoint.MEMBERS`: 4.6 or 4.7, whose text tower, dense or MoE, is
-   printed; 4.7 keeps 4.6's window merger), the safetensors files
+   (:data:`~vllm_minicpm_hotfix.cli.verify.checkpoint.MEMBERS`: 4.6, 4.7, whose text tower, dense or MoE, is
+   printed, or MiniCPM-OCR; both keep 4.6's window merger), the safetensors files
    (one file or sharded through ``model.safetensors.index.json``) are complete and hold the window-merger attention
    tensors ``...vit_merger.self_attn.{q,k,v,out}_proj.{weight,bias}`` with the shapes the config implies. Any problem
    is *bad input*: one line, exit 2.
@@ -57,7 +57,7 @@ from ... import quant_layout
 from .. import quant_report, stop_tokens
 from . import render
 from .._util import exc_line, one_line, peak_rss_mib, print_verdict, progress
-from .checkpoint import BadInput, inspect_checkpoint, read_reference, resolve_model, stream_checkpoint
+from .checkpoint import BadInput, Checkpoint, inspect_checkpoint, read_reference, resolve_model, stream_checkpoint
 from .judge import _compare, compare, verdict  # noqa: F401 - _compare re-exported (tests/cli/test_cli.py)
 from .build import (
     VerifyFailed,
@@ -159,10 +159,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     except (BadInput, VerifyFailed):
         raise
     except Exception as exc:  # vLLM's own error, on one line
-        what = "the model"
-        if ckpt.member != "MiniCPM-V 4.6":
-            what = (f"{ckpt.member} ({ckpt.architecture}; " + ("hotfix active" if active else "hotfix not active: "
-                    "it registers this architecture where vLLM lacks it") + ")")
+        what = "the model" if ckpt.member == "MiniCPM-V 4.6" else f"{ckpt.member} ({why_not_built(ckpt, active)})"
         raise _failed(args, f"vLLM {version} could not build {what}", exc) from exc
     times["build"] = time.perf_counter() - t
     keep = language_model_filter(built, ckpt)
@@ -191,3 +188,32 @@ def _run(args: argparse.Namespace, t0: float) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def why_not_built(ckpt: Checkpoint, active: bool) -> str:
+    """What verify adds to vLLM's error when it cannot build a member other than 4.6: the architecture; whether the
+    hotfix registers it where vLLM lacks it (a backport of it exists) and is active, else whether vLLM registers it
+    itself; and, where the installed transformers has no config of the member's ``model_type``, that too (vLLM 0.33
+    registers MiniCPM-OCR but pins a transformers without ``minicpm_ocr``). Never raises."""
+    from ...backports import BACKPORTS
+
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        vllms = ckpt.architecture in ModelRegistry.get_supported_archs()
+    except Exception:  # noqa: BLE001 - a registry of another shape: say nothing about it
+        vllms = False
+    if any(b.ARCH == ckpt.architecture for b in BACKPORTS):
+        said = "hotfix active" if active else "hotfix not active: it registers this architecture where vLLM lacks it"
+    elif vllms:
+        said = "registered by vLLM"
+    else:
+        said = "not registered by this vLLM, and the hotfix has no backport of it"
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except Exception:  # noqa: BLE001 - no transformers: vLLM's own error says what is missing
+        return f"{ckpt.architecture}; {said}"
+    if ckpt.model_type not in CONFIG_MAPPING_NAMES:
+        said += f"; transformers {transformers.__version__} has no {ckpt.model_type}"
+    return f"{ckpt.architecture}; {said}"

@@ -31,11 +31,12 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-minicpm-v46
 MODEL_TYPE = "minicpmv4_6"
 ARCHITECTURE = MODEL_CLASS
 #: The family members verify knows: ``config.json``'s ``model_type`` -> (member, architecture). 4.7's checkpoints
-#: (1B dense, 35B-A3B MoE) keep 4.6's vision tower and window merger (transformers' ``minicpmv4_7``), so the
-#: same q/k/v comparison holds for them.
+#: (1B dense, 35B-A3B MoE) and MiniCPM-OCR's keep 4.6's vision tower and window merger (transformers'
+#: ``minicpmv4_7``, ``minicpm_ocr``), so the same q/k/v comparison holds for them.
 MEMBERS = {
     MODEL_TYPE: ("MiniCPM-V 4.6", ARCHITECTURE),
     "minicpmv4_7": ("MiniCPM-V 4.7", "MiniCPMV4_7ForConditionalGeneration"),
+    "minicpm_ocr": ("MiniCPM-OCR", "MiniCPMOcrForConditionalGeneration"),
 }
 #: The text config ``model_type`` of 4.7's sparse text tower (transformers' ``Qwen3_5MoeTextConfig``).
 MOE_TEXT = "qwen3_5_moe_text"
@@ -81,13 +82,18 @@ class Checkpoint:
 
     @property
     def member(self) -> str:
-        """The family member ``config.json`` names (``"MiniCPM-V 4.6"``, ``"MiniCPM-V 4.7"``)."""
+        """The family member ``config.json`` names (``"MiniCPM-V 4.6"``, ``"MiniCPM-V 4.7"``, ``"MiniCPM-OCR"``)."""
         return member_of(self.config)[0]
 
     @property
     def architecture(self) -> str:
         """The architecture vLLM must resolve for it (``MiniCPMV4_7ForConditionalGeneration``, ...)."""
         return member_of(self.config)[1]
+
+    @property
+    def model_type(self) -> str:
+        """``config.json``'s ``model_type`` of the member (``minicpm_ocr``, ...): what transformers must know."""
+        return next((t for t, m in MEMBERS.items() if m[1] == self.architecture), MODEL_TYPE)
 
     @property
     def text_tower(self) -> str:

@@ -194,12 +194,25 @@ def member_view(module: ModuleType, other: ModuleType) -> ModuleType:
     return view
 
 
+#: The package of the backports' model modules (a member whose module is here runs the hotfix's classes).
+BACKPORT_MODELS = "vllm_minicpm_hotfix.backports.models."
+
+
 def member_reason(view: ModuleType, reason: str) -> str:
     """A probe's ``reason`` as it reads for the member ``view`` stands for: the vLLM classes the view swapped named as
-    that member's and "MiniCPM-V 4.6" as the member; unchanged for a module that is not a view."""
+    that member's and "MiniCPM-V 4.6" as the member; unchanged for a module that is not a view. For a member the
+    hotfix's backport registered (its module under :data:`BACKPORT_MODELS`), the text starts by saying so: its
+    classes are the hotfix's, so "vLLM's own" code in the probe's words is the backport's code where it overrides
+    the 4.6 class and vLLM's 4.6 code where it inherits it."""
     names = getattr(view, "__member_names__", None)
     if not names:
         return reason
     for old, new in names.items():
         reason = reason.replace(old, new)
-    return reason.replace(DEFAULT_MODELS[0], FAMILY.get(view.__name__, DEFAULT_MODELS[0]))
+    member = FAMILY.get(view.__name__, DEFAULT_MODELS[0])
+    reason = reason.replace(DEFAULT_MODELS[0], member)
+    if view.__name__.startswith(BACKPORT_MODELS):
+        note = f"{member} by the hotfix's backport (vLLM has none here)"
+        head, sep, rest = reason.partition(": ") if reason.startswith("not needed") else ("", "", reason)
+        reason = f"{head}{sep}{note}: {rest}"
+    return reason
