@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # hotfix_mode: a fixture for every module (support.environment); the rest is imported by the test modules themselves.
 from support.environment import hotfix_mode  # noqa: E402,F401
 from support.observed import RUN_FACTS  # noqa: E402
-from support.paths import MAKE_CHECKPOINT, TINY  # noqa: E402
+from support import tiny_checkpoints  # noqa: E402
+from support.paths import TINY  # noqa: E402
 from support.placement import EVERYWHERE_VAR, environment_spec, vllm_release  # noqa: E402
 
 
@@ -77,8 +77,7 @@ def tiny() -> Path:
 def tiny_untied(tmp_path_factory) -> Path:
     """The tiny model with untied embeddings (an ``lm_head.weight``), written by transformers for this session."""
     out = tmp_path_factory.mktemp("tiny-untied")
-    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(out), "--untied"], check=True, capture_output=True)
-    return out
+    return tiny_checkpoints.write(out, "--untied")
 
 
 @pytest.fixture(params=["tied", "untied"])

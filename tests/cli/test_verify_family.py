@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 from support.backport47 import write_checkpoint
-from support.paths import MAKE_CHECKPOINT, REPO
+from support import tiny_checkpoints
+from support.paths import REPO
 from support.venvs import clean_env
 
 pytestmark = pytest.mark.placed("0.28.0", "0.32.0", "0.33.0")
@@ -116,7 +117,7 @@ def test_ocr_on_0_33_needs_a_transformers_it_does_not_allow(tmp_path):
 
     assert "minicpm_ocr" not in CONFIG_MAPPING_NAMES  # the transformers vLLM 0.33 requires
     ckpt = tmp_path / "ocr"
-    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(ckpt)], check=True, capture_output=True)
+    tiny_checkpoints.write(ckpt)
     config = json.loads((ckpt / "config.json").read_text())
     config.update(model_type="minicpm_ocr", architectures=[OCR_ARCH], downsample_mode="4x")
     (ckpt / "config.json").write_text(json.dumps(config))

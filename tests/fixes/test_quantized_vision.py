@@ -98,13 +98,9 @@ def source(request, tmp_path_factory) -> Path:
     writes (``scripts/make_tiny_checkpoint.py --member 4.7``, same sizes and names)."""
     if request.param == "4.6":
         return TINY
-    import subprocess
-    import sys
+    from support import tiny_checkpoints
 
-    from support.paths import MAKE_CHECKPOINT
-    out = tmp_path_factory.mktemp("tiny-v47") / "ckpt"
-    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(out), "--member", "4.7"], check=True, capture_output=True)
-    return out
+    return tiny_checkpoints.write(tmp_path_factory.mktemp("tiny-v47") / "ckpt", "--member", "4.7")
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,10 @@ little, and the log-probability comparison must see the vision path.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from support.paths import MAKE_CHECKPOINT
+from support import tiny_checkpoints
 
 #: The prompt of the engine runs (the prompt tests' own).
 PROMPT = "<|im_start|>user\n{mm}Describe it.<|im_end|>\n<|im_start|>assistant\n"
@@ -54,9 +52,7 @@ def write_checkpoint(dest: Path, *extra: str, member: str = "4.7") -> Path:
     """``scripts/make_tiny_checkpoint.py DEST --member MEMBER --scale-resolution 448 EXTRA...`` with this
     environment's transformers (the real processor geometry: patch 14, ``scale_resolution`` 448, ``max_slice_nums``
     9); ``member`` ``"ocr"`` for MiniCPM-OCR (transformers >= 5.24)."""
-    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), str(dest), "--member", member, "--scale-resolution", "448",
-                    *extra], check=True, capture_output=True)
-    return dest
+    return tiny_checkpoints.write(dest, "--member", member, "--scale-resolution", "448", *extra)
 
 
 class Reference:

@@ -9,14 +9,13 @@ import dataclasses
 import json
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 import numpy as np
 import pytest
 from support.hotfix import hotfix
-from support.paths import MAKE_CHECKPOINT, TINY
+from support import tiny_checkpoints
+from support.paths import TINY
 from support.placement import vllm_release
 
 
@@ -377,10 +376,8 @@ def write_v47(dest: Path, *, moe: bool = False, seed: int | None = None) -> Path
     text tower (4 experts, top-2, a shared expert), the 35B-A3B member's layout.  ``seed`` defaults to
     :data:`V47_SEED` (0 for dense, as before; 5 for MoE)."""
     seed = V47_SEED[moe] if seed is None else seed
-    cmd = [sys.executable, str(MAKE_CHECKPOINT), str(dest), "--member", "4.7", "--scale-resolution", "448"]
-    cmd += ["--seed", str(seed)] if seed else []
-    subprocess.run(cmd + (["--moe"] if moe else []), check=True, capture_output=True)
-    return dest
+    args = ["--member", "4.7", "--scale-resolution", "448"] + (["--seed", str(seed)] if seed else [])
+    return tiny_checkpoints.write(dest, *args, *(["--moe"] if moe else []))
 
 
 class _Checkpoints(dict):
