@@ -24,7 +24,7 @@ from support.environment import hotfix_mode  # noqa: E402,F401
 from support.observed import RUN_FACTS  # noqa: E402
 from support import tiny_checkpoints  # noqa: E402
 from support.paths import TINY  # noqa: E402
-from support.placement import EVERYWHERE_VAR, environment_spec, vllm_release  # noqa: E402
+from support.placement import EVERYWHERE_VAR, NARROW_ENVS, environment_spec, vllm_release  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -121,14 +121,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Deselect the tests ``placed`` elsewhere (``VLLM_MINICPM_HOTFIX_EVERYWHERE=1`` keeps them all)."""
+    """Deselect the tests ``placed`` elsewhere (``VLLM_MINICPM_HOTFIX_EVERYWHERE=1`` keeps them all); in a narrow
+    environment (:data:`support.placement.NARROW_ENVS`) every test that does not name it, placed or not."""
     if os.environ.get(EVERYWHERE_VAR) == "1":
         return
     spec = environment_spec()
     keep, drop = [], []
     for item in items:
         placed = item.get_closest_marker("placed")
-        (drop if placed is not None and spec not in placed.args else keep).append(item)
+        here = spec in placed.args if placed is not None else spec not in NARROW_ENVS
+        (keep if here else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
