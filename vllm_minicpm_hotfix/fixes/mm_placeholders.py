@@ -62,23 +62,39 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
 from . import _mm_prompt as mp
 from . import _stand_ins
-from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, V47, Call, wrap
+from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, V47, Call, WeakMemo, wrap
 
 NAME = "mm_placeholders"
 LABEL = "image/video placeholder text (transformers' layout and kwargs)"
 MODELS = (V46, V47)
 
 
+#: ``id(ctx)`` -> a weak reference to what ``ctx.get_hf_processor()`` returned, while ``ctx`` lives: vLLM's own cache of
+#: it (``cached_processor_from_config``) looks the model config up on every call, several times per request.
+_NATIVE = WeakMemo(limit=64)
+
+
 def _native(info: Any) -> Any:
     """transformers' own processor vLLM built for this model (model-level ``mm_processor_kwargs`` merged in):
-    ``InputProcessingContext.get_hf_processor()``, cached by vLLM."""
-    return info.ctx.get_hf_processor()
+    ``InputProcessingContext.get_hf_processor()``, cached by vLLM; looked up once per context while vLLM keeps that
+    processor (a weak reference: nothing is kept alive here)."""
+    ctx = info.ctx
+    ref = _NATIVE.get(id(ctx), (ctx,))
+    hf = ref() if ref is not None else None
+    if hf is None:
+        hf = ctx.get_hf_processor()
+        try:
+            _NATIVE.put(id(ctx), (ctx,), weakref.ref(hf))
+        except TypeError:  # not weakly referenceable: looked up on every call
+            pass
+    return hf
 
 
 def image_placeholder(info: Any, image_size: Any, idx: int, explicit: dict, *, from_item: bool = True) -> str:
@@ -124,6 +140,18 @@ def _in_request(replacement: Any, request: mp.Request) -> Any:
     return in_request
 
 
+def _with_replacement(update: Any, replacement: Any) -> Any:
+    """``dataclasses.replace(update, replacement=replacement)`` for vLLM's ``PromptUpdate`` dataclasses (plain fields,
+    no ``__post_init__``), without calling ``__init__`` again: a shallow copy of the instance's fields."""
+    fields = getattr(update, "__dict__", None)
+    if fields is None or hasattr(type(update), "__post_init__"):
+        return dataclasses.replace(update, replacement=replacement)
+    new = object.__new__(type(update))
+    new.__dict__.update(fields)
+    object.__setattr__(new, "replacement", replacement)
+    return new
+
+
 def get_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
     """Around ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(self, mm_items, hf_processor_mm_kwargs,
     out_mm_kwargs) -> Sequence[PromptUpdate]``: vLLM's own updates, each callable ``replacement`` run with
@@ -134,7 +162,7 @@ def get_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
     for update in updates:
         replacement = getattr(update, "replacement", None)
         if callable(replacement) and dataclasses.is_dataclass(update):
-            update = dataclasses.replace(update, replacement=_in_request(replacement, request))
+            update = _with_replacement(update, _in_request(replacement, request))
         out.append(update)
     return type(updates)(out) if isinstance(updates, (list, tuple)) else out
 

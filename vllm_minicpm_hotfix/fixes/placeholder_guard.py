@@ -67,6 +67,7 @@ that validates this itself, or the guard applied), ``undetermined`` if the stand
 from __future__ import annotations
 
 import functools
+import sys
 import inspect
 import types
 from collections.abc import Iterable, Mapping, Sequence
@@ -109,13 +110,9 @@ def embeddings_per_slice(h: int, w: int, use_vit_merger: bool) -> int:
 def _flag(value: Any) -> bool | None:
     if value is None:
         return None
-    try:
-        import torch
-
-        if isinstance(value, torch.Tensor):
-            return any(value.reshape(-1).tolist()) if value.numel() else None
-    except ImportError:  # pragma: no cover - vLLM always has torch
-        pass
+    torch = sys.modules.get("torch")  # a tensor exists only where torch is imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        value = value.tolist()  # one call into torch: any element true (None when empty), as below for lists
     if isinstance(value, (list, tuple)):
         flags = [_flag(v) for v in value]
         flags = [f for f in flags if f is not None]

@@ -76,7 +76,11 @@ def covers(fix: ModuleType, subject: Any) -> bool:
     owns is reported once (:func:`note_unknown`); None (nothing to judge) is not covered."""
     if subject is None:
         return False
-    member = subject if isinstance(subject, str) else model_of(subject)
+    if isinstance(subject, str):
+        member = subject
+    else:  # model_of(subject), inlined: every wrapped call of a request asks
+        cls = subject if isinstance(subject, type) else type(subject)
+        member = FAMILY.get(getattr(cls, "__module__", ""))
     if member is None:
         note_unknown(fix, subject)
         return False

@@ -283,8 +283,11 @@ class WeakMemo:
     def get(self, key: Any, objects: tuple[Any, ...] = ()) -> Any:
         """The value kept for ``key`` and ``objects``, else None. Raises ``TypeError`` for an unhashable key."""
         hit = self._entries.get(key)
-        if hit is None or any(ref() is not obj for ref, obj in zip(hit[0], objects)):
+        if hit is None:
             return None
+        for ref, obj in zip(hit[0], objects):
+            if ref() is not obj:
+                return None
         return hit[1]
 
     def put(self, key: Any, objects: tuple[Any, ...], value: Any) -> None:
