@@ -60,13 +60,19 @@ class LazyBackport:
     def probe(self, module: ModuleType | None = None) -> Verdict:
         """``missing`` where the registry lacks ``arch``, has the 4.6 model and transformers has the config;
         ``correct`` (not applicable) where the registry has ``arch`` of vLLM's own or another plugin's;
-        ``unrecognised`` where the 4.6 model or the config is not there. Never raises."""
+        ``unrecognised`` where the 4.6 model or the config is not there (vLLM's own ``arch`` included: vLLM cannot
+        read such a checkpoint either). Never raises."""
         try:
             registry = registry_of(module)
             entry = self.entry(registry)
             if entry is not None and not self.is_ours(entry):
                 at = where(entry)
                 if at.startswith("vllm."):
+                    has_config, tf_version = transformers_has(self.model_type, self.config_class)
+                    if not has_config:  # vLLM 0.33's MiniCPM-OCR with the transformers it requires (< 5.21)
+                        return Verdict(State.UNRECOGNISED, f"transformers {tf_version} has no {self.config_class}, "
+                                       f"which vLLM's own {self.arch} needs to read a {self.short} checkpoint's "
+                                       f"config ({at})", applicable=False)
                     return Verdict(State.CORRECT, f"vLLM's own: its registry has {self.arch} ({at})", applicable=False)
                 return Verdict(State.CORRECT, f"{self.arch} is registered by {at} (not vLLM's own, not this "
                                "hotfix's): left alone", applicable=False)
@@ -106,6 +112,16 @@ class LazyBackport:
             registry.models[self.arch] = before
         self.before.clear()
         return True
+
+
+def bind(namespace: dict[str, Any], backport: LazyBackport) -> None:
+    """Give a backport module (its ``globals()``) the backport interface bound to ``backport``: ``MODEL`` (what
+    ``register`` hands vLLM), ``probe(module=None) -> Verdict`` (never raises), ``register(module=None)``,
+    ``unregister(module=None) -> bool``, ``registered(module=None) -> bool``, ``is_ours(entry) -> bool``; ``module``
+    is vLLM's registry module (imported if None). Also ``REGISTRY_MODULE``, ``BASE_ARCH``, ``BASE_MODULE``."""
+    namespace.update(MODEL=backport.model, probe=backport.probe, register=backport.register,
+                     unregister=backport.unregister, registered=backport.registered, is_ours=backport.is_ours,
+                     REGISTRY_MODULE=REGISTRY_MODULE, BASE_ARCH=BASE_ARCH, BASE_MODULE=BASE_MODULE)
 
 
 def registry_of(module: ModuleType | None) -> Any:

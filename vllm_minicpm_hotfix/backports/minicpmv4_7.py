@@ -31,8 +31,8 @@ The backport interface (:mod:`vllm_minicpm_hotfix.backports`): ``NAME``, ``LABEL
 
 from __future__ import annotations
 
-from ..decision import State, Verdict  # noqa: F401 - the probe's vocabulary, as before (tests patch with it)
-from ._lazy import BASE_ARCH, BASE_MODULE, REGISTRY_MODULE, LazyBackport
+from ..decision import State, Verdict  # noqa: F401 - the probe's vocabulary (tests patch with it)
+from ._lazy import LazyBackport, bind
 
 NAME = "minicpmv4_7"
 LABEL = "MiniCPM-V 4.7 model (MiniCPMV4_7ForConditionalGeneration) on vLLM releases without it"
@@ -41,20 +41,7 @@ MEMBER = "MiniCPM-V 4.7"
 #: The backport's model module (the one vLLM's registry imports lazily; ``fixes._base.FAMILY`` lists it).
 MODEL_MODULE = "vllm_minicpm_hotfix.backports.models.minicpmv4_7"
 #: transformers' config class a 4.7 checkpoint's ``config.json`` needs, and its ``model_type``.
-CONFIG_CLASS = "MiniCPMV4_7Config"
-MODEL_TYPE = "minicpmv4_7"
+CONFIG_CLASS, MODEL_TYPE = "MiniCPMV4_7Config", "minicpmv4_7"
 
-_BACKPORT = LazyBackport(ARCH, MODEL_MODULE, CONFIG_CLASS, MODEL_TYPE, "4.7")
-#: What :func:`register` hands ``ModelRegistry.register_model``.
-MODEL = _BACKPORT.model
-__all__ = ["ARCH", "BASE_ARCH", "BASE_MODULE", "LABEL", "MEMBER", "MODEL", "NAME", "REGISTRY_MODULE", "is_ours",
-           "probe", "register", "registered", "unregister"]
-
-#: The backport interface, bound to this architecture (see :class:`._lazy.LazyBackport`): ``probe(module=None) ->
-#: Verdict`` (never raises), ``register(module=None)``, ``unregister(module=None) -> bool``, ``registered(module=None)
-#: -> bool``, ``is_ours(entry) -> bool``; ``module`` is vLLM's registry module (imported if None).
-probe = _BACKPORT.probe
-register = _BACKPORT.register
-unregister = _BACKPORT.unregister
-registered = _BACKPORT.registered
-is_ours = _BACKPORT.is_ours
+#: ``MODEL``, ``probe``, ``register``, ``unregister``, ``registered``, ``is_ours``: :func:`._lazy.bind`.
+bind(globals(), LazyBackport(ARCH, MODEL_MODULE, CONFIG_CLASS, MODEL_TYPE, "4.7"))

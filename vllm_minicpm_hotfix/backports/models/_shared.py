@@ -42,9 +42,13 @@ def configured_kwarg(ctx: Any, key: str) -> Any:
 
 
 class KeepsEveryVisionLayer:
-    """Mixin for a subclass of vLLM's ``MiniCPMV4_6ForConditionalGeneration`` whose config has no
-    ``drop_vision_last_layer``: vLLM 0.32+'s 4.6 constructor asks this method (0.22-0.31 read the config: see
-    :func:`keeps_every_vision_layer`)."""
+    """Mixin (first base) for a subclass of vLLM's ``MiniCPMV4_6ForConditionalGeneration`` whose config has no
+    ``drop_vision_last_layer``: the 4.6 constructor keeps every vision layer, asked through
+    :meth:`_drop_vision_last_layer` (vLLM 0.32+) or the config (0.22-0.31: :func:`keeps_every_vision_layer`)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        with keeps_every_vision_layer(vllm_config.model_config.hf_config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def _drop_vision_last_layer(self) -> bool:
         """False: every vision encoder layer is kept (transformers' 4.7 and OCR vision encoders build
@@ -67,3 +71,16 @@ def keeps_every_vision_layer(config: Any) -> Iterator[None]:
     finally:
         with contextlib.suppress(AttributeError):
             del config.drop_vision_last_layer
+
+
+def crop_grids(fields: Any, key: str) -> list[tuple[int, int]] | None:
+    """The ``(height, width)`` patch grid of every crop of one multimodal item: its field ``key`` (``tgt_sizes`` /
+    ``video_tgt_sizes``: vLLM's ``MultiModalFieldElem`` whose ``data`` is an ``(n_crops, 2)`` tensor) of ``fields``
+    (the item's mapping of fields), or None where the item carries no such tensor (image embeddings given)."""
+    import torch
+
+    elem = fields.get(key) if hasattr(fields, "get") else None
+    tensor = getattr(elem, "data", None)
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    return [(int(h), int(w)) for h, w in tensor.reshape(-1, 2).tolist()]

@@ -42,7 +42,7 @@ from vllm.model_executor.models.utils import StageMissingLayer
 
 from .. import canvas
 from ...record import logger
-from ._shared import KeepsEveryVisionLayer, ProcessorMaxSliceNums, keeps_every_vision_layer
+from ._shared import KeepsEveryVisionLayer, ProcessorMaxSliceNums, crop_grids
 
 #: The MoE text config's ``model_type`` (transformers' ``Qwen3_5MoeTextConfig``).
 MOE_TEXT = "qwen3_5_moe_text"
@@ -147,13 +147,7 @@ def item_grids(feature: Any) -> list[tuple[int, int]] | None:
     no such field."""
     data = getattr(feature, "data", None)
     key = GRID_FIELDS.get(getattr(feature, "modality", ""))
-    if data is None or key is None:
-        return None
-    elem = data.get(key) if hasattr(data, "get") else None
-    tensor = getattr(elem, "data", None)
-    if not isinstance(tensor, torch.Tensor):
-        return None
-    return [(int(h), int(w)) for h, w in tensor.reshape(-1, 2).tolist()]
+    return None if data is None or key is None else crop_grids(data, key)
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -167,8 +161,7 @@ class MiniCPMV4_7ForConditionalGeneration(KeepsEveryVisionLayer, _m46.MiniCPMV4_
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         config = vllm_config.model_config.hf_config
-        with keeps_every_vision_layer(config):
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)  # every vision layer kept (KeepsEveryVisionLayer)
         # An encoder-only instance (vLLM's ``mm_encoder_only``, as ``verify`` builds) has a ``StageMissingLayer`` in
         # place of the text tower: nothing to make sparse.
         if is_moe_text(config.text_config) and not isinstance(self.language_model, StageMissingLayer):
