@@ -216,3 +216,29 @@ def test_every_parameter_equals_the_checkpoint(m46, ckpt, registered, environmen
 
     assert torch.equal(qkv, torch.cat(parts))
     print(f"\nOCR ({environment[0]}): {len(params)} parameters equal to {len(used)} checkpoint tensors")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The fixes OCR inherits a defect from (they declare MiniCPM-OCR)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@here
+def test_frame_budget_is_what_the_loader_samples(m46, ckpt, registered):
+    """OCR's processing info inherits 4.6's ``get_num_frames_with_most_features`` and its 16-frame cap, below the 32
+    frames vLLM's video loader samples; ``video_budget``, which declares MiniCPM-OCR, makes it 32."""
+    from support.prompt import PREREQUISITES
+    from vllm_minicpm_hotfix.fixes import _base, video_budget
+
+    def budget():
+        info = make_pair(ckpt, {}).vllm.info
+        assert _base.model_of(info) == "MiniCPM-OCR", type(info)
+        # a long context: at "4x" a 448-pixel frame and its slices are ~2,500 tokens, and the budget is bounded by what fits
+        return info.get_num_frames_with_most_features(2 ** 17, {"video": 1}), video_budget.loader_frames(info)
+
+    with hotfix(m46, "auto", fixes=PREREQUISITES):
+        stock_frames, loader = budget()
+    with hotfix(m46, "auto", fixes=(*PREREQUISITES, "video_budget")):
+        fixed, _ = budget()
+    assert (stock_frames, loader, fixed) == (16, 32, 32)
+    assert "MiniCPM-OCR" in video_budget.MODELS

@@ -141,7 +141,7 @@ V47_OWN = ("0.32.0", "0.33.0")
 NOT_ON_47 = {"video_image_id_cache"}
 
 #: The fixes that declare MiniCPM-OCR (their ``MODELS``).
-OCR_FIXES: set[str] = set()
+OCR_FIXES: set[str] = {"video_budget", "video_tower"}
 
 MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
     "MiniCPM-V 4.7": {
