@@ -22,7 +22,8 @@ TARGET_MODULE = "vllm.model_executor.models.minicpmv4_6"
 #: the architectures a release lacks when it is imported, before vLLM resolves any architecture.
 REGISTRY_MODULE = "vllm.model_executor.models.registry"
 #: The other family members' model modules (``fixes._base.FAMILY``; not imported here, to keep this module light).
-MEMBER_MODULES = ("vllm.model_executor.models.minicpmv4_7", "vllm_minicpm_hotfix.backports.models.minicpmv4_7")
+MEMBER_MODULES = ("vllm.model_executor.models.minicpmv4_7", "vllm_minicpm_hotfix.backports.models.minicpmv4_7",
+                  "vllm.model_executor.models.minicpm_ocr", "vllm_minicpm_hotfix.backports.models.minicpm_ocr")
 
 _LOCK = threading.Lock()
 _installed = False

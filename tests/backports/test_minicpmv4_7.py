@@ -42,10 +42,11 @@ import torch
 
 import vllm_minicpm_hotfix
 from support import expected as table
-from support.backport47 import write_checkpoint
-from support.environment import hotfix_mode_set
+from support.backport47 import (
+    assert_every_parameter_equals, forget_resolved, model_config, registered_as_the_hook_does, unregister_all,
+    write_checkpoint,
+)
 from support.hotfix import hotfix
-from support.paths import REPO
 from support.prompt import (
     MODEL_KWARGS, PREREQUISITES, PROMPT, REQUEST_KWARGS, V47_ENVS, assert_all_equal, image, make_pair, processed,
     seeded_sizes, sizes_for, stock, video, vllm_ids, with_hotfix,
@@ -62,46 +63,16 @@ NOT_SUPPORTED = "Model architectures ['MiniCPMV4_7ForConditionalGeneration'] are
 
 
 @pytest.fixture(scope="module")
-def registry_module():
-    return importlib.import_module(bp.REGISTRY_MODULE)
-
-
-@pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("backport47")
     return {"dense": write_checkpoint(root / "dense"), "moe": write_checkpoint(root / "moe", "--moe")}
 
 
-@pytest.fixture(scope="module")
-def importable(tmp_path_factory) -> str:
-    """A folder holding only the package (a link to it): on ``PYTHONPATH`` it lets vLLM's registry-inspection
-    subprocess (``python -m vllm.model_executor.models.registry``) import the backport's model module, as a pip
-    install does, without activating anything there."""
-    folder = tmp_path_factory.mktemp("importable")
-    (folder / "vllm_minicpm_hotfix").symlink_to(REPO / "vllm_minicpm_hotfix")
-    return str(folder)
-
-
 @pytest.fixture
 def registered(registry_module, importable, monkeypatch):
     """The backport registered as the hook registers it (``auto``) for one test; unregistered after."""
-    monkeypatch.setenv("PYTHONPATH", importable)
-    with hotfix_mode_set("auto"):
-        rows = backports.run(registry_module)
-        assert rows[bp.NAME].registered, rows
-        try:
-            yield rows[bp.NAME]
-        finally:
-            bp.unregister(registry_module)
-
-
-def forget_resolved() -> None:
-    """Empty vLLM's per-process memo of resolved model classes (``model_loader.utils._MODEL_ARCH_BY_HASH``, keyed
-    by the checkpoint path): vLLM resolves a checkpoint once per process, after every registration; these tests
-    resolve the same one with and without the backport."""
-    from vllm.model_executor.model_loader import utils
-
-    getattr(utils, "_MODEL_ARCH_BY_HASH", {}).clear()
+    with registered_as_the_hook_does(bp, registry_module, importable, monkeypatch) as row:
+        yield row
 
 
 @pytest.fixture(autouse=True)
@@ -121,12 +92,6 @@ def resolved(checkpoint: Path) -> str:
         return model_config(checkpoint).architecture
     except Exception as exc:  # noqa: BLE001 - stock's answer is an error on most releases
         return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-
-
-def model_config(checkpoint: Path, **kwargs):
-    from vllm.config import ModelConfig
-
-    return ModelConfig(model=str(checkpoint), dtype="float32", enforce_eager=True, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -199,6 +164,7 @@ def test_registered_through_vllms_registries(registry_module, ckpts, importable,
             assert type(proc.info).__name__ == "MiniCPMV4_7ProcessingInfo"
         finally:
             assert bp.unregister(registry_module) is True
+            unregister_all(registry_module)  # the other backports the hook registered with it
         assert bp.ARCH not in registry.get_supported_archs()
         assert resolved(ckpts["dense"]) == stock_answer  # stock's answer again (the test above: an error)
     hotfix_mode("off")
@@ -223,12 +189,13 @@ def test_vllms_own_is_left_alone(registry_module, ckpts, hotfix_mode):
         cls, _ = registry.resolve_model_cls(mc.architectures, mc)
         assert cls.__module__ == "vllm.model_executor.models.minicpmv4_7"
         line = record.summary_line(record.current(), names())
-        assert record.parse_summary(line, names())[0]["backports"] == {"MiniCPM-V 4.7": "vLLM's own"}, line
+        assert record.parse_summary(line, names())[0]["backports"]["MiniCPM-V 4.7"] == "vLLM's own", line
 
 
 def test_a_failing_registration_leaves_vllm_as_it_was(registry_module, monkeypatch, hotfix_mode, caplog):
     """``register`` raising inside the hook: one WARNING line, the status row ``error``, the registry as before."""
     hotfix_mode("force")
+    monkeypatch.setattr(backports, "BACKPORTS", (bp,))  # this backport alone (the others would register)
     before = dict(registry_module.ModelRegistry.models)
     monkeypatch.setattr(bp, "probe", lambda module: bp.Verdict(bp.State.MISSING, "stand-in: missing"))
     register = bp.register
@@ -428,37 +395,6 @@ def test_canvas_groups_frames_as_transformers():
 # The load: every parameter against the checkpoint's tensors
 # --------------------------------------------------------------------------------------------------------------------
 
-#: vLLM's prefix -> the checkpoint's (MiniCPMV4_6ForConditionalGeneration.hf_to_vllm_mapper, inverted).
-PREFIXES = {"vit_merger.": "model.vision_tower.vit_merger.", "vpm.": "model.vision_tower.",
-            "merger.": "model.merger.", "language_model.model.": "model.language_model.",
-            "language_model.lm_head.": "lm_head."}
-#: vLLM's fused parameter -> the checkpoint's parts, concatenated along dim 0 in this order (vLLM's stacked params).
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-         "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
-
-
-def expected_tensor(name: str, ckpt: dict[str, torch.Tensor], tied: bool) -> tuple[torch.Tensor, list[str]]:
-    """The checkpoint's value of vLLM's parameter ``name`` and the checkpoint names it is made of. Raises
-    ``KeyError`` for a parameter the checkpoint has nothing for."""
-    if name == "language_model.lm_head.weight" and tied:
-        src = "model.language_model.embed_tokens.weight"
-        return ckpt[src], [src]
-    prefix = next(p for p in PREFIXES if name.startswith(p))
-    hf = PREFIXES[prefix] + name[len(prefix):]
-    stem, _, leaf = hf.rpartition(".")
-    head, _, module = stem.rpartition(".")
-    if leaf in ("w13_weight", "w2_weight"):  # FusedMoE: ``mlp.experts.`` (0.22) or ``mlp.experts.routed_experts.``
-        stem = stem.removesuffix(".routed_experts")
-        n = len({k.split(f"{stem}.")[1].split(".")[0] for k in ckpt if k.startswith(f"{stem}.")})
-        parts = [[f"{stem}.{e}.{p}_proj.weight" for p in (("gate", "up") if leaf == "w13_weight" else ("down",))]
-                 for e in range(n)]
-        return torch.stack([torch.cat([ckpt[p] for p in ps]) for ps in parts]), [p for ps in parts for p in ps]
-    if module in FUSED and hf not in ckpt:
-        srcs = [f"{head}.{part}.{leaf}" for part in FUSED[module]]
-        return torch.cat([ckpt[s] for s in srcs]), srcs
-    return ckpt[hf], [hf]
-
-
 def _expert_parallel_group() -> None:
     """vLLM's model-parallel groups with an expert-parallel one, as its workers make them for a MoE model: vLLM's
     ``initialize_model_parallel`` creates the EP group only where the current config has no model or a MoE one, so
@@ -494,29 +430,7 @@ def test_every_parameter_equals_the_checkpoint(m46, ckpts, registered, environme
     assert type(model.language_model) is lm_cls
     if kind == "moe":
         assert model.language_model.num_logical_experts == config.text_config.num_experts
-    used, wrong, unknown = set(), [], []
-    params = dict(model.named_parameters())  # each tensor once, under its first name (vLLM's MoE layers alias some)
-    ids = {id(t) for t in params.values()}
-    aliases = [n for n, t in model.named_parameters(remove_duplicate=False) if n not in params]
-    assert all(id(t) in ids for n, t in model.named_parameters(remove_duplicate=False)), aliases
-    for name, param in params.items():
-        try:
-            want, srcs = expected_tensor(name, ckpt, False)
-        except (KeyError, StopIteration):
-            unknown.append(name)
-            continue
-        used.update(srcs)
-        if want.shape != param.shape:  # a layout vLLM keeps differently (e.g. conv1d's (C, 1, K) as (C, K))
-            if want.numel() != param.numel():
-                wrong.append(f"{name}: shape {tuple(param.shape)} vs checkpoint {tuple(want.shape)}")
-                continue
-            want = want.reshape(param.shape)
-        if not torch.equal(param.detach(), want.to(param.dtype)):
-            wrong.append(f"{name} differs from {srcs}")
-    assert not unknown, f"parameters with no checkpoint tensor: {unknown}"
-    assert not wrong, wrong
-    left = sorted(set(ckpt) - used - {k for k in ckpt if k.startswith("mtp.")})
-    assert not left, f"checkpoint tensors no parameter holds: {left}"
+    params, used, aliases = assert_every_parameter_equals(model, ckpt)
     if config.tie_word_embeddings:  # one tensor: the embedding is the head
         lm = model.language_model
         assert lm.lm_head.weight is lm.model.embed_tokens.weight

@@ -9,13 +9,13 @@
   backport's class loads both checkpoints exactly; with ``qkv_loader`` left out, 0.28's own q/k/v loader fails on
   the 4.7 class as on 4.6 (``k_proj``), so the PASS is the fix's and not a comparison that cannot fail.
 * 0.32.0 (vLLM's own 4.7 classes): the MoE checkpoint loads exactly.
-* MiniCPM-OCR, which the hotfix does not backport: verify names it and says why vLLM cannot build it here, and doctor
-  says whether this vLLM serves it. 0.28.0 (transformers 5.24.0 has ``minicpm_ocr``; vLLM has no OCR class): an OCR
-  checkpoint written by transformers (``--member ocr``) fails with vLLM's "not supported" error, verify adding that
-  the hotfix has no backport of it. 0.33.0 registers ``MiniCPMOcrForConditionalGeneration`` but requires a
-  transformers (< 5.21) without ``minicpm_ocr``, so vLLM cannot read an OCR ``config.json`` at all; that environment's
-  transformers cannot write an OCR checkpoint either, so the test's checkpoint is a 4.6 one written by it whose
-  ``config.json`` names ``minicpm_ocr`` (vLLM stops at the config, before any weight is read).
+* MiniCPM-OCR. 0.28.0 (transformers 5.24.0 has ``minicpm_ocr``; vLLM has no OCR class): an OCR checkpoint written
+  by transformers (``--member ocr``) fails on stock with vLLM's "not supported" error, verify adding that the hotfix
+  registers the architecture; with the hotfix the backport's class loads it exactly. 0.33.0 registers
+  ``MiniCPMOcrForConditionalGeneration`` but requires a transformers (< 5.21) without ``minicpm_ocr``, so vLLM cannot
+  read an OCR ``config.json`` at all; that environment's transformers cannot write an OCR checkpoint either, so the
+  test's checkpoint is a 4.6 one written by it whose ``config.json`` names ``minicpm_ocr`` (vLLM stops at the config,
+  before any weight is read); doctor's ``backport minicpm_ocr`` row says it is not served and why.
 """
 
 from __future__ import annotations
@@ -96,17 +96,28 @@ def test_verify_fails_on_0_28_loader_without_qkv_loader(ckpts):
 OCR_ARCH = "MiniCPMOcrForConditionalGeneration"
 
 
+@pytest.fixture(scope="module")
+def ocr(tmp_path_factory) -> Path:  # transformers >= 5.24 (0.28.0)
+    return write_checkpoint(tmp_path_factory.mktemp("verify-ocr") / "ocr", member="ocr")
+
+
 @pytest.mark.placed("0.28.0")
-def test_verify_names_ocr_and_says_the_hotfix_has_no_backport(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "ocr", member="ocr")
-    assert '"model_type": "minicpm_ocr"' in (ckpt / "config.json").read_text()
-    proc = verify(ckpt, hotfix=True)
+def test_verify_loads_ocr_exactly_with_the_backport(ocr):
+    assert '"model_type": "minicpm_ocr"' in (ocr / "config.json").read_text()
+    proc = verify(ocr, hotfix=True)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert f"MiniCPM-OCR ({OCR_ARCH}), text tower dense" in out, out
+    assert out.strip().splitlines()[-1].startswith("PASS: all 4 vit_merger qkv_proj/out_proj tensors equal"), out
+
+
+@pytest.mark.placed("0.28.0")
+def test_stock_verify_says_ocr_is_not_supported_and_names_the_hotfix(ocr):
+    proc = verify(ocr, hotfix=False)
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout
-    assert f"MiniCPM-OCR ({OCR_ARCH}), text tower dense" in proc.stdout, proc.stdout
-    assert "hotfix      active" in proc.stdout
-    assert last.startswith(f"FAIL: vLLM 0.28.0 could not build MiniCPM-OCR ({OCR_ARCH}; not registered by this vLLM, "
-                           "and the hotfix has no backport of it): "), last
+    assert last.startswith(f"FAIL: vLLM 0.28.0 could not build MiniCPM-OCR ({OCR_ARCH}; hotfix not active: it "
+                           "registers this architecture where vLLM lacks it): "), last
     assert "are not supported for now" in last, last
 
 
@@ -132,8 +143,7 @@ def test_ocr_on_0_33_needs_a_transformers_it_does_not_allow(tmp_path):
                             env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=900,
                             stdin=subprocess.DEVNULL)
     rows = {r["check"]: r for r in json.loads(doctor.stdout)["checks"]}
-    row = rows["member MiniCPM-OCR"]
+    row = rows["backport minicpm_ocr"]
     assert row["status"] == "-", row
-    assert row["detail"].startswith(f"not served here: vLLM has {OCR_ARCH}, but transformers "
-                                    f"{transformers.__version__} (vLLM requires transformers<"), row
-    assert row["detail"].endswith("has no minicpm_ocr: vLLM cannot read such a checkpoint's config"), row
+    assert row["detail"].startswith(f"MiniCPM-OCR: not served here (transformers {transformers.__version__} has no "
+                                    f"MiniCPMOcrConfig, which vLLM's own {OCR_ARCH} "), row

@@ -54,8 +54,8 @@ from pathlib import Path
 import pytest
 
 from support.backport47 import (
-    CLEAR_MARGIN, CPU_MOE_ERROR, LOGPROB_REQUESTS, LOGPROB_TOLERANCE, OTHER_SEED, PROMPT, Reference, cpu_moe_unusable,
-    margin, noise_image, write_checkpoint,
+    CPU_MOE_ERROR, LOGPROB_REQUESTS, LOGPROB_TOLERANCE, PROMPT, Reference, cpu_moe_unusable, judge_first_step,
+    noise_image, write_checkpoint,
 )
 from support.hotfix_log import summaries
 from support.programs import run_program
@@ -286,25 +286,10 @@ def test_first_step_logprobs_agree_with_transformers(server, references):
         assert status == 200, (name, status, json.dumps(reply)[:1500], server.log()[-4000:])
         prompt = chat_prompt(ref.processor, img, text)
         assert reply["prompt_token_ids"] == ref.ids(prompt, img, kwargs), name
-        want = ref.logprobs(prompt, img, kwargs)
-        got = first_step(reply)
-        diff = max(abs(lp - float(want[t])) for t, lp in got.items())
-        sensitivity = None
-        if img is not None:
-            other = ref.logprobs(prompt, noise_image(*size, OTHER_SEED), kwargs)
-            sensitivity = max(abs(float(other[t]) - float(want[t])) for t in want.topk(5).indices.tolist())
-            if sensitivity <= LOGPROB_TOLERANCE:
-                problems.append(f"{name}: another image moves transformers by {sensitivity:.3f}, not more than the "
-                                f"tolerance {LOGPROB_TOLERANCE}: the tolerance could not see a wrong image")
-        if diff > LOGPROB_TOLERANCE:
-            problems.append(f"{name}: vLLM's top-5 log-probabilities differ by {diff:.3f} from transformers'")
-        clear = margin(want) >= CLEAR_MARGIN
-        greedy = reply["choices"][0]["token_ids"][0]
-        if clear and greedy != int(want.argmax()):
-            problems.append(f"{name}: greedy token {greedy}, transformers' {int(want.argmax())} (margin "
-                            f"{margin(want):.3f})")
-        rows.append(f"{name}: diff {diff:.3f}, sensitivity {sensitivity if sensitivity is None else round(sensitivity, 3)}"
-                    f", margin {margin(want):.3f}{' (greedy compared)' if clear else ''}")
+        row, found = judge_first_step(ref, name, prompt, img, kwargs, first_step(reply),
+                                      reply["choices"][0]["token_ids"][0], LOGPROB_TOLERANCE)
+        rows.append(row)
+        problems += found
     print(f"\n{server.kind}: " + "; ".join(rows))
     assert not problems, problems
 

@@ -8,6 +8,7 @@ little, and the log-probability comparison must see the vision path.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +57,17 @@ def write_checkpoint(dest: Path, *extra: str, member: str = "4.7") -> Path:
 
 
 class Reference:
-    """transformers' 4.7 processor and float32 model of one checkpoint."""
+    """transformers' processor and float32 model of one checkpoint (``model_class``: the name of transformers'
+    class, ``MiniCPMV4_7ForConditionalGeneration`` or ``MiniCPMOcrForConditionalGeneration``)."""
 
-    def __init__(self, checkpoint: Path) -> None:
+    def __init__(self, checkpoint: Path, model_class: str = "MiniCPMV4_7ForConditionalGeneration") -> None:
         import torch
-        from transformers import AutoProcessor, MiniCPMV4_7ForConditionalGeneration
+        import transformers
+        from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(checkpoint))
-        self.model = MiniCPMV4_7ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        model_cls = getattr(transformers, model_class)
+        self.model = model_cls.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
     def inputs(self, text: str, img: Any, kwargs: dict) -> Any:
         if img is None:
@@ -87,6 +91,33 @@ class Reference:
 def compare(got: dict[int, float], reference: Any) -> float:
     """The largest ``|vLLM - transformers|`` over vLLM's top tokens (``got``: token id -> log-probability)."""
     return max(abs(lp - float(reference[tok])) for tok, lp in got.items())
+
+
+def judge_first_step(ref: "Reference", name: str, prompt: str, img: Any, kwargs: dict, got: dict[int, float],
+                     greedy: int, tolerance: float) -> tuple[str, list[str]]:
+    """One request's first step against transformers' float32 model: ``(a report row, problems)``. Problems: vLLM's
+    top-5 log-probabilities (``got``: token id -> log-probability) differ from transformers' by more than
+    ``tolerance``; another noise image of the same size (seed :data:`OTHER_SEED`) moves transformers' top 5 by no
+    more than ``tolerance`` (the comparison could not see a wrong image); the greedy token differs from transformers'
+    where its top-2 margin is at least :data:`CLEAR_MARGIN`."""
+    want = ref.logprobs(prompt, img, kwargs)
+    diff = compare(got, want)
+    problems, sensitivity = [], None
+    if img is not None:
+        other = ref.logprobs(prompt, noise_image(*img.size, OTHER_SEED), kwargs)
+        sensitivity = max(abs(float(other[t]) - float(want[t])) for t in want.topk(5).indices.tolist())
+        if sensitivity <= tolerance:
+            problems.append(f"{name}: another image moves transformers by {sensitivity:.3f}, not more than the "
+                            f"tolerance {tolerance}: the tolerance could not see a wrong image")
+    if diff > tolerance:
+        problems.append(f"{name}: vLLM's top-5 log-probabilities differ by {diff:.3f} from transformers'")
+    clear = margin(want) >= CLEAR_MARGIN
+    if clear and greedy != int(want.argmax()):
+        problems.append(f"{name}: greedy token {greedy}, transformers' {int(want.argmax())} (margin "
+                        f"{margin(want):.3f})")
+    row = (f"{name}: diff {diff:.3f}, sensitivity {'-' if sensitivity is None else round(sensitivity, 3)}, margin "
+           f"{margin(want):.3f}{' (greedy compared)' if clear else ''}")
+    return row, problems
 
 
 def margin(reference: Any) -> float:
@@ -123,3 +154,130 @@ def cpu_moe_unusable() -> str | None:
         return (f"vLLM's CPU fused MoE has no grouped-GEMM kernel here (no torch.ops._C.prepack_moe_weight) and its "
                 f"torch fallback raises outside a config: {exc}")
     return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The load: every vLLM parameter against the checkpoint's tensors (the backports' load tests)
+# --------------------------------------------------------------------------------------------------------------------
+
+#: vLLM's prefix -> the checkpoint's (MiniCPMV4_6ForConditionalGeneration.hf_to_vllm_mapper, inverted).
+PREFIXES = {"vit_merger.": "model.vision_tower.vit_merger.", "vpm.": "model.vision_tower.",
+            "merger.": "model.merger.", "language_model.model.": "model.language_model.",
+            "language_model.lm_head.": "lm_head."}
+#: vLLM's fused parameter -> the checkpoint's parts, concatenated along dim 0 in this order (vLLM's stacked params).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
+
+
+def expected_tensor(name: str, ckpt: dict, tied: bool) -> tuple[Any, list[str]]:
+    """The checkpoint's value of vLLM's parameter ``name`` and the checkpoint names it is made of. Raises
+    ``KeyError`` for a parameter the checkpoint has nothing for."""
+    import torch
+
+    if name == "language_model.lm_head.weight" and tied:
+        src = "model.language_model.embed_tokens.weight"
+        return ckpt[src], [src]
+    prefix = next(p for p in PREFIXES if name.startswith(p))
+    hf = PREFIXES[prefix] + name[len(prefix):]
+    stem, _, leaf = hf.rpartition(".")
+    head, _, module = stem.rpartition(".")
+    if leaf in ("w13_weight", "w2_weight"):  # FusedMoE: ``mlp.experts.`` (0.22) or ``mlp.experts.routed_experts.``
+        stem = stem.removesuffix(".routed_experts")
+        n = len({k.split(f"{stem}.")[1].split(".")[0] for k in ckpt if k.startswith(f"{stem}.")})
+        parts = [[f"{stem}.{e}.{p}_proj.weight" for p in (("gate", "up") if leaf == "w13_weight" else ("down",))]
+                 for e in range(n)]
+        return torch.stack([torch.cat([ckpt[p] for p in ps]) for ps in parts]), [p for ps in parts for p in ps]
+    if module in FUSED and hf not in ckpt:
+        srcs = [f"{head}.{part}.{leaf}" for part in FUSED[module]]
+        return torch.cat([ckpt[s] for s in srcs]), srcs
+    return ckpt[hf], [hf]
+
+
+def assert_every_parameter_equals(model: Any, ckpt: dict) -> tuple[dict, set, list]:
+    """Every parameter of the vLLM ``model`` equals the checkpoint tensors it is made of (``torch.equal``; fused ones
+    as vLLM fuses them: :func:`expected_tensor`), every parameter has checkpoint tensors and every checkpoint tensor
+    (but ``mtp.*``) is used. Returns ``(parameters by name, checkpoint names used, names aliasing a parameter)``."""
+    import torch
+
+    used, wrong, unknown = set(), [], []
+    params = dict(model.named_parameters())  # each tensor once, under its first name (vLLM's MoE layers alias some)
+    ids = {id(t) for t in params.values()}
+    aliases = [n for n, t in model.named_parameters(remove_duplicate=False) if n not in params]
+    assert all(id(t) in ids for n, t in model.named_parameters(remove_duplicate=False)), aliases
+    for name, param in params.items():
+        try:
+            want, srcs = expected_tensor(name, ckpt, False)
+        except (KeyError, StopIteration):
+            unknown.append(name)
+            continue
+        used.update(srcs)
+        if want.shape != param.shape:  # a layout vLLM keeps differently (e.g. conv1d's (C, 1, K) as (C, K))
+            if want.numel() != param.numel():
+                wrong.append(f"{name}: shape {tuple(param.shape)} vs checkpoint {tuple(want.shape)}")
+                continue
+            want = want.reshape(param.shape)
+        if not torch.equal(param.detach(), want.to(param.dtype)):
+            wrong.append(f"{name} differs from {srcs}")
+    assert not unknown, f"parameters with no checkpoint tensor: {unknown}"
+    assert not wrong, wrong
+    left = sorted(set(ckpt) - used - {k for k in ckpt if k.startswith("mtp.")})
+    assert not left, f"checkpoint tensors no parameter holds: {left}"
+    return params, used, aliases
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# vLLM's registries around a backport (the backports' light tests)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def importable_package(folder: Path) -> str:
+    """``folder`` holding only the package (a link to it), as a string for ``PYTHONPATH``: there it lets vLLM's
+    registry-inspection subprocess (``python -m vllm.model_executor.models.registry``) import a backport's model
+    module, as a pip install does, without activating anything."""
+    from support.paths import REPO
+
+    (folder / "vllm_minicpm_hotfix").symlink_to(REPO / "vllm_minicpm_hotfix")
+    return str(folder)
+
+
+@contextlib.contextmanager
+def registered_as_the_hook_does(backport: Any, registry_module: Any, importable: str, monkeypatch: Any) -> Any:
+    """A block with the backports registered as the hook registers them (``auto``; ``importable`` on ``PYTHONPATH``:
+    :func:`importable_package`), yielding ``backport``'s status row; every backport unregistered after."""
+    from support.environment import hotfix_mode_set
+    from vllm_minicpm_hotfix import backports
+
+    monkeypatch.setenv("PYTHONPATH", importable)
+    forget_resolved()
+    with hotfix_mode_set("auto"):
+        rows = backports.run(registry_module)
+        assert rows[backport.NAME].registered, rows
+        try:
+            yield rows[backport.NAME]
+        finally:
+            unregister_all(registry_module)
+            forget_resolved()
+
+
+def unregister_all(registry_module: Any) -> None:
+    """Undo every backport the hook's ``backports.run`` registered (it runs them all)."""
+    from vllm_minicpm_hotfix import backports
+
+    for backport in backports.BACKPORTS:
+        backport.unregister(registry_module)
+
+
+def forget_resolved() -> None:
+    """Empty vLLM's per-process memo of resolved model classes (``model_loader.utils._MODEL_ARCH_BY_HASH``, keyed
+    by the checkpoint path): vLLM resolves a checkpoint once per process, after every registration; the tests
+    resolve the same one with and without a backport."""
+    from vllm.model_executor.model_loader import utils
+
+    getattr(utils, "_MODEL_ARCH_BY_HASH", {}).clear()
+
+
+def model_config(checkpoint: Path, **kwargs: Any) -> Any:
+    """vLLM's ``ModelConfig`` of ``checkpoint`` (float32, eager): what ``LLM(...)`` and ``vllm serve`` build first."""
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(checkpoint), dtype="float32", enforce_eager=True, **kwargs)

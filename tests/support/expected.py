@@ -140,12 +140,20 @@ V47_OWN = ("0.32.0", "0.33.0")
 #: (2026-12-02, every environment of ENVIRONMENTS).
 NOT_ON_47 = {"video_image_id_cache"}
 
+#: The fixes that declare MiniCPM-OCR (their ``MODELS``).
+OCR_FIXES: set[str] = {"video_budget", "video_tower"}
+
 MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
     "MiniCPM-V 4.7": {
         env: {fix: ("n/a" if fix in NOT_ON_47 else CANVAS_ON_47 if fix == "canvas_mrope" and env[0] in V47_OWN
                     else block[env]) for fix, block in VERDICTS.items()}
         for env in ENVIRONMENTS
     },
+    # MiniCPM-OCR's classes are present everywhere: vLLM's own on 0.33.0, the backport's module elsewhere (it
+    # imports without transformers' minicpm_ocr; only vLLM's registry decides whether it is served). The fixes that
+    # declare OCR (its classes inherit their defects) probe them: the verdict is 4.6's (OCR_FIXES); the others "n/a".
+    "MiniCPM-OCR": {env: {fix: (block[env] if fix in OCR_FIXES else "n/a") for fix, block in VERDICTS.items()}
+                    for env in ENVIRONMENTS},
 }
 
 #: backport NAME (``vllm_minicpm_hotfix.backports.BACKPORTS``) -> environment -> the verdict of its probe on stock
@@ -154,6 +162,10 @@ MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
 BACKPORT_VERDICTS: dict[str, dict[tuple[str, str], str]] = {
     # vLLM registers MiniCPMV4_7ForConditionalGeneration from 0.32 on; every environment's transformers has 4.7.
     "minicpmv4_7": {env: ("correct" if env[0] in ("0.32.0", "0.33.0") else "missing") for env in ENVIRONMENTS},
+    # vLLM registers MiniCPMOcrForConditionalGeneration from 0.33 on; transformers has minicpm_ocr from 5.24 (not in
+    # 0.28.0:tf5.20.0, 0.32.0's 5.19.0 nor 0.33.0's 5.20.2): there a checkpoint's config cannot be read.
+    # 0.33.0's own class with its transformers 5.20.2 is "unrecognised" too: vLLM cannot read the config.
+    "minicpm_ocr": {env: ("missing" if env[1] == "5.24.0" else "unrecognised") for env in ENVIRONMENTS},
 }
 
 

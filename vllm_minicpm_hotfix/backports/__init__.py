@@ -29,10 +29,10 @@ from types import ModuleType
 
 from .. import decision
 from ..record import BackportStatus, current, logger
-from . import minicpmv4_7
+from . import minicpm_ocr, minicpmv4_7
 
 #: The backports, in the order the hook runs them.
-BACKPORTS: tuple[ModuleType, ...] = (minicpmv4_7,)
+BACKPORTS: tuple[ModuleType, ...] = (minicpmv4_7, minicpm_ocr)
 
 
 def run(registry_module: ModuleType) -> dict[str, BackportStatus]:

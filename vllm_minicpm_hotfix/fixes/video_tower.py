@@ -39,11 +39,11 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import INFO_CLASS, MODEL_CLASS, V46, V47, Call, wrap
+from ._base import INFO_CLASS, MODEL_CLASS, V46, V47, VOCR, Call, wrap
 
 NAME = "video_tower"
 LABEL = "vision tower built for video-only serving"
-MODELS = (V46, V47)
+MODELS = (V46, V47, VOCR)  # MiniCPM-OCR inherits the 4.6 methods this fix sets
 
 #: The modalities MiniCPM-V 4.6's vision tower encodes.
 TOWER_MODALITIES = frozenset({"image", "video"})

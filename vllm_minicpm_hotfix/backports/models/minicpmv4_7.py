@@ -31,9 +31,7 @@ releases' 4.6 classes differ, the difference is detected on the class, not on a 
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,35 +42,16 @@ from vllm.model_executor.models.utils import StageMissingLayer
 
 from .. import canvas
 from ...record import logger
+from ._shared import KeepsEveryVisionLayer, ProcessorMaxSliceNums, crop_grids
 
 #: The MoE text config's ``model_type`` (transformers' ``Qwen3_5MoeTextConfig``).
 MOE_TEXT = "qwen3_5_moe_text"
 
 
-class MiniCPMV4_7ProcessingInfo(_m46.MiniCPMV4_6ProcessingInfo):
-    """4.6's processing info for a checkpoint whose processor is transformers' ``MiniCPMV4_7Processor``."""
-
-    def get_image_max_slice_num(self) -> int:
-        """The ``max_slice_nums`` images are sized with when vLLM budgets its encoder (``get_image_size_with_most_features``):
-        the server's ``--mm-processor-kwargs`` value, else the checkpoint's image processor's (what transformers
-        slices with), else 4.6's answer. A 4.7 config has no ``max_slice_nums`` / ``slice_config``, so 4.6's reads 9."""
-        configured = _configured(self.ctx, "max_slice_nums")
-        if configured is not None:
-            return int(configured)
-        try:
-            value = getattr(self.get_image_processor(), "max_slice_nums", None)
-        except Exception:  # noqa: BLE001 - no processor here: 4.6's answer
-            value = None
-        return int(value) if value is not None else super().get_image_max_slice_num()
-
-
-def _configured(ctx: Any, key: str) -> Any:
-    """The server-level (``--mm-processor-kwargs``) value of ``key``, or None."""
-    try:
-        merged = ctx.get_merged_mm_kwargs({})
-    except Exception:  # noqa: BLE001 - a context without the merge: the model config's own kwargs
-        merged = getattr(getattr(ctx, "model_config", None), "mm_processor_kwargs", None) or {}
-    return merged.get(key) if isinstance(merged, Mapping) else None
+class MiniCPMV4_7ProcessingInfo(ProcessorMaxSliceNums, _m46.MiniCPMV4_6ProcessingInfo):
+    """4.6's processing info for a checkpoint whose processor is transformers' ``MiniCPMV4_7Processor``; the
+    ``max_slice_nums`` of the encoder budget as :class:`._shared.ProcessorMaxSliceNums` reads it (a 4.7 config has no
+    ``max_slice_nums`` / ``slice_config``, so 4.6's reads 9)."""
 
 
 class MiniCPMV4_7MultiModalProcessor(_m46.MiniCPMV4_6MultiModalProcessor):
@@ -101,23 +80,6 @@ def video_gets_local_id(hf_processor: Any) -> bool:
         return True
     pad = getattr(hf_processor, "video_token", "<|video_pad|>")
     return prepend(hf_processor, [pad], [""], pad) != [""]
-
-
-@contextlib.contextmanager
-def keeps_every_vision_layer(config: Any) -> Iterator[None]:
-    """For the 4.6 constructor of a release that reads ``config.drop_vision_last_layer`` itself (0.22-0.31): the
-    4.7 config, which has no such field, answers False for the duration. Nothing where the 4.6 class asks
-    ``_drop_vision_last_layer()`` (0.32+, overridden below) or the config has the field."""
-    if hasattr(_m46.MiniCPMV4_6ForConditionalGeneration, "_drop_vision_last_layer") or hasattr(
-            config, "drop_vision_last_layer"):
-        yield
-        return
-    config.drop_vision_last_layer = False
-    try:
-        yield
-    finally:
-        with contextlib.suppress(AttributeError):
-            del config.drop_vision_last_layer
 
 
 def is_moe_text(text_config: Any) -> bool:
@@ -185,13 +147,7 @@ def item_grids(feature: Any) -> list[tuple[int, int]] | None:
     no such field."""
     data = getattr(feature, "data", None)
     key = GRID_FIELDS.get(getattr(feature, "modality", ""))
-    if data is None or key is None:
-        return None
-    elem = data.get(key) if hasattr(data, "get") else None
-    tensor = getattr(elem, "data", None)
-    if not isinstance(tensor, torch.Tensor):
-        return None
-    return [(int(h), int(w)) for h, w in tensor.reshape(-1, 2).tolist()]
+    return None if data is None or key is None else crop_grids(data, key)
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -199,23 +155,18 @@ def item_grids(feature: Any) -> list[tuple[int, int]] | None:
     info=MiniCPMV4_7ProcessingInfo,
     dummy_inputs=MiniCPMVDummyInputsBuilder,
 )
-class MiniCPMV4_7ForConditionalGeneration(_m46.MiniCPMV4_6ForConditionalGeneration):
+class MiniCPMV4_7ForConditionalGeneration(KeepsEveryVisionLayer, _m46.MiniCPMV4_6ForConditionalGeneration):
     """MiniCPM-V 4.7: the installed vLLM's 4.6 model with every vision layer kept, the dense or sparse text tower
     its text config names, and canvas M-RoPE positions."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         config = vllm_config.model_config.hf_config
-        with keeps_every_vision_layer(config):
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)  # every vision layer kept (KeepsEveryVisionLayer)
         # An encoder-only instance (vLLM's ``mm_encoder_only``, as ``verify`` builds) has a ``StageMissingLayer`` in
         # place of the text tower: nothing to make sparse.
         if is_moe_text(config.text_config) and not isinstance(self.language_model, StageMissingLayer):
             self.language_model = as_moe_text_tower(self.language_model)
         self.canvas_markers = canvas_markers(config, vllm_config.model_config.tokenizer)
-
-    def _drop_vision_last_layer(self) -> bool:
-        """4.7 keeps every vision encoder layer (vLLM 0.32+'s 4.6 constructor asks this)."""
-        return False
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[torch.Tensor, int]:
         """``SupportsMRoPE.get_mrope_input_positions`` (vLLM 0.22-0.33: ``(input_tokens, mm_features) ->

@@ -357,8 +357,9 @@ def child_names() -> dict[str, str]:
 
 
 def unbackported_members() -> list[list[str]]:
-    """``[member, architecture, model_type]`` of every family member verify knows that has no backport (MiniCPM-OCR):
-    doctor says whether this vLLM serves it, since the hotfix cannot add it."""
+    """``[member, architecture, model_type]`` of every family member verify knows that has no backport (none since
+    MiniCPM-OCR has one; each backport has its own row): doctor says whether this vLLM serves it, since the hotfix
+    cannot add it."""
     from ...backports import BACKPORTS
     from ..verify.checkpoint import MEMBERS, MODEL_TYPE
 

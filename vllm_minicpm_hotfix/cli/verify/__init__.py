@@ -203,10 +203,11 @@ def why_not_built(ckpt: Checkpoint, active: bool) -> str:
         vllms = ckpt.architecture in ModelRegistry.get_supported_archs()
     except Exception:  # noqa: BLE001 - a registry of another shape: say nothing about it
         vllms = False
-    if any(b.ARCH == ckpt.architecture for b in BACKPORTS):
-        said = "hotfix active" if active else "hotfix not active: it registers this architecture where vLLM lacks it"
-    elif vllms:
+    backport = next((b for b in BACKPORTS if b.ARCH == ckpt.architecture), None)
+    if vllms and not (backport is not None and backport.registered()):
         said = "registered by vLLM"
+    elif backport is not None:
+        said = "hotfix active" if active else "hotfix not active: it registers this architecture where vLLM lacks it"
     else:
         said = "not registered by this vLLM, and the hotfix has no backport of it"
     try:

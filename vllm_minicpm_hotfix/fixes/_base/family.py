@@ -25,8 +25,10 @@ FAMILY: dict[str, str] = {
     "vllm.model_executor.models.minicpmv4_6": "MiniCPM-V 4.6",
     "vllm.model_executor.models.minicpmv4_7": "MiniCPM-V 4.7",
     "vllm_minicpm_hotfix.backports.models.minicpmv4_7": "MiniCPM-V 4.7",  # the backport's, on releases without 4.7
+    "vllm.model_executor.models.minicpm_ocr": "MiniCPM-OCR",  # vLLM 0.33+
+    "vllm_minicpm_hotfix.backports.models.minicpm_ocr": "MiniCPM-OCR",  # the backport's, where transformers has OCR
 }
-V46, V47 = "MiniCPM-V 4.6", "MiniCPM-V 4.7"
+V46, V47, VOCR = "MiniCPM-V 4.6", "MiniCPM-V 4.7", "MiniCPM-OCR"
 #: Default ``MODELS`` of a fix that declares none: 4.6 only.
 DEFAULT_MODELS: tuple[str, ...] = (V46,)
 
@@ -180,19 +182,29 @@ def member_modules(module: ModuleType, *, imported_only: bool = False) -> dict[s
 
 def member_view(module: ModuleType, other: ModuleType) -> ModuleType:
     """A module named as ``other`` holding everything of ``module``, except that each class of ``module`` that
-    ``other`` subclasses (same name with ``other``'s member tag, e.g. ``4_6`` -> ``4_7``) is ``other``'s class: a
-    probe written against the 4.6 names thereby judges the member's own classes."""
+    ``other`` subclasses is ``other``'s class: same name with ``other``'s member tag (``4_6`` -> ``4_7``), or, for a
+    member named otherwise, the subclass whose name ends as the 4.6 name does after ``MiniCPMV4_6``
+    (``MiniCPMV4_6ProcessingInfo`` -> ``MiniCPMOcrProcessingInfo``). A probe written against the 4.6 names thereby
+    judges the member's own classes."""
     tag = module.__name__.rsplit("minicpmv", 1)[-1]
-    other_tag = other.__name__.rsplit("minicpmv", 1)[-1]
+    other_tag = other.__name__.rsplit("minicpmv", 1)[-1] if "minicpmv" in other.__name__ else None
+    prefix = f"MiniCPMV{tag}"
+    classes = [v for v in vars(other).values() if isinstance(v, type)]
     view = ModuleType(other.__name__)
     swapped: dict[str, str] = {}
     view.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
     for name, value in vars(module).items():
-        if isinstance(value, type) and tag in name:
+        if not (isinstance(value, type) and tag in name):
+            continue
+        if other_tag is not None:
             sub = getattr(other, name.replace(tag, other_tag), None)
-            if isinstance(sub, type) and issubclass(sub, value):
-                setattr(view, name, sub)
-                swapped[name] = sub.__name__
+        else:
+            suffix = name[len(prefix):] if name.startswith(prefix) else None
+            sub = next((c for c in classes if suffix and c.__name__.endswith(suffix) and c is not value
+                        and issubclass(c, value)), None)
+        if isinstance(sub, type) and issubclass(sub, value):
+            setattr(view, name, sub)
+            swapped[name] = sub.__name__
     view.__member_module__ = other
     view.__member_names__ = swapped
     return view
