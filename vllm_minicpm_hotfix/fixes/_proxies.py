@@ -112,8 +112,8 @@ class ModeInfoView(wrapt.ObjectProxy):
     """vLLM's ``MiniCPMV4_6ProcessingInfo`` (``vllm/model_executor/models/minicpmv4_6.py``) whose
     ``get_image_processor(*args, **kwargs)`` returns the real one's result behind a
     :class:`ModeDefaultingImageProcessor` with ``mode``: the ``self`` that ``processor_downsample_mode`` runs vLLM's
-    ``_compute_visual_tokens`` against. Everything else is the ``ProcessingInfo`` (its methods bound to it).
-    Not copyable or picklable (wrapt's ``NotImplementedError``)."""
+    ``_compute_visual_tokens`` against; likewise ``_pinned_image_processor`` where vLLM's MiniCPM-OCR info has it.
+    Everything else is the ``ProcessingInfo`` (its methods bound to it). Not copyable or picklable (wrapt's ``NotImplementedError``)."""
 
     def __init__(self, wrapped: Any, mode: Any) -> None:
         super().__init__(wrapped)
@@ -121,6 +121,15 @@ class ModeInfoView(wrapt.ObjectProxy):
 
     def get_image_processor(self, *args: Any, **kwargs: Any) -> ModeDefaultingImageProcessor:
         return ModeDefaultingImageProcessor(self.__wrapped__.get_image_processor(*args, **kwargs), self._self_mode)
+
+    def _pinned_image_processor(self, *args: Any, **kwargs: Any) -> ModeDefaultingImageProcessor:
+        """vLLM 0.33's ``MiniCPMOcrProcessingInfo._pinned_image_processor(downsample_mode)``
+        (``vllm/model_executor/models/minicpm_ocr.py``), through which its own ``_compute_visual_tokens`` reads the
+        image processor: the real one's result (the processor, or a copy of it with the request's mode set) behind a
+        :class:`ModeDefaultingImageProcessor` with the mode that processor holds. A method of the wrapped object is
+        bound to it, not to this view, so the view's ``get_image_processor`` would not be reached."""
+        pinned = self.__wrapped__._pinned_image_processor(*args, **kwargs)
+        return ModeDefaultingImageProcessor(pinned, getattr(pinned, "downsample_mode", self._self_mode))
 
 
 class RecordingImageProcessor(wrapt.ObjectProxy):

@@ -69,11 +69,11 @@ from typing import Any
 
 from .. import decision
 from ..decision import Verdict
-from ._base import INFO_CLASS, V46, V47, Call, wrap
+from ._base import INFO_CLASS, V46, V47, VOCR, Call, on_import, wrap
 
 NAME = "processor_downsample_mode"
 LABEL = "image placeholder count (downsample_mode)"
-MODELS = (V46, V47)
+MODELS = (V46, V47, VOCR)  # vLLM 0.33's own MiniCPM-OCR body omits the mode as 4.6's does
 METHOD = "_compute_visual_tokens"
 #: transformers' image-processor methods vLLM calls without the mode.
 TARGETS = ("find_best_resize", "get_refine_size")
@@ -121,7 +121,15 @@ def compute_visual_tokens(wrapped: Any, instance: Any, call: Call) -> Any:
     return wrapped.__func__(ModeInfoView(instance, mode), *args[1:], **kwargs)
 
 
-PATCHES = {f"{INFO_CLASS}.{METHOD}": wrap(compute_visual_tokens, bind=True)}
+#: vLLM 0.33's own MiniCPM-OCR processing info, which overrides the method with a body of its own that omits the mode
+#: in the same three calls (``vllm/model_executor/models/minicpm_ocr.py``).
+OCR_INFO = "vllm.model_executor.models.minicpm_ocr:MiniCPMOcrProcessingInfo"
+
+PATCHES = {
+    f"{INFO_CLASS}.{METHOD}": wrap(compute_visual_tokens, bind=True),
+    f"{OCR_INFO}.{METHOD}": on_import(lambda old, owner: wrap(compute_visual_tokens, bind=True)
+                                      if METHOD in vars(owner) else None),
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""MiniCPM-OCR on vLLM's own classes (0.33: ``vllm/model_executor/models/minicpm_ocr.py``), with the transformers that
+can read an OCR checkpoint (5.24, the first with ``minicpm_ocr``, forced past vLLM 0.33's ``<5.21`` pin: the
+environment ``0.33.0:tf5.24.0``, :data:`support.placement.NARROW_ENVS`). The reference is transformers' own
+``MiniCPMOcrProcessor`` of the tiny OCR checkpoint transformers writes (``scripts/make_tiny_checkpoint.py --member
+ocr --scale-resolution 448``) and that checkpoint's tensors.
+
+* **Stock** (vLLM's classes as vLLM defines them): every image request raises ``TypeError:
+  MiniCPMOcrImageProcessor.find_best_resize() missing 1 required positional argument: 'downsample_mode'`` --
+  vLLM's 4.6 ``_compute_visual_tokens``, which OCR inherits, omits the argument transformers >= 5.23 requires.
+  ``scripts/measure_ocr_stock.py`` shows the same over the whole seeded sweep and every request kwarg.
+* **With the hotfix** (every fix applied as the hook applies them): ``processor_downsample_mode``, which declares
+  MiniCPM-OCR (vLLM's OCR info overrides ``_compute_visual_tokens`` with a body that omits the mode as 4.6's does),
+  hands the mode, and vLLM's prompt ids equal ``MiniCPMOcrProcessor``'s for tiny to sliced images, the ``"4x"`` grid
+  (449 px: 28- against 56-pixel alignment), the request kwargs of :data:`REQUEST_KWARGS` and two images.
+* **The load**: vLLM's own OCR model class, built on CPU and loaded with its own ``load_weights`` (with the q/k/v
+  fixes where the hook applies them): the window merger's ``qkv_proj`` equals cat(q, k, v) of the checkpoint.
+
+Placed only on ``0.33.0:tf5.24.0``: no other environment has vLLM's OCR class and a transformers that reads its
+config (0.33.0's own pinned 5.20.2 has no ``minicpm_ocr``; the backport covers 0.22-0.30, tests/backports).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from support.backport47 import write_checkpoint
+from support.hotfix import hotfix
+from support.prompt import hf_ids, image, make_pair, vllm_ids, with_hotfix
+
+pytestmark = pytest.mark.placed("0.33.0:tf5.24.0")
+
+OCR_MODULE = "vllm.model_executor.models.minicpm_ocr"
+MISSING_MODE = "find_best_resize() missing 1 required positional argument: 'downsample_mode'"
+#: (width, height): tiny (upsized to scale_resolution), small, square, the 4x grid, wide, tall, sliced.
+SIZES = [(20, 20), (50, 40), (448, 448), (449, 448), (640, 480), (1000, 300), (300, 1200), (1344, 896)]
+#: Per-request kwargs whose prompt the hotfix makes equal here. Not among them, and not fixed on vLLM 0.33's own OCR
+#: classes (docs/ocr.md): ``slice_mode: false`` (vLLM keeps the sliced layout's pads: 762 against 256 at 449x448) and
+#: ``use_image_id: false`` (vLLM keeps ``<image_id>``), which ``mm_placeholders`` and ``request_kwargs`` fix for 4.6
+#: and 4.7 but do not declare for MiniCPM-OCR.
+REQUEST_KWARGS = [{}, {"max_slice_nums": 2}, {"downsample_mode": "16x"}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ocr") / "ckpt", member="ocr")
+
+
+@pytest.fixture(scope="module")
+def pair(ckpt):
+    p = make_pair(ckpt, {})
+    assert type(p.vllm).__module__ == OCR_MODULE, type(p.vllm)  # vLLM's own class, no backport
+    assert type(p.hf).__name__ == "MiniCPMOcrProcessor"
+    return p
+
+
+def test_stock_fails_every_image(pair):
+    for w, h in SIZES:  # vLLM's classes as vLLM defines them (tests/conftest.py: nothing patched between tests)
+        with pytest.raises(TypeError, match=re.escape(MISSING_MODE)):
+            vllm_ids(pair, "image", [image(w, h)], {})
+
+
+def test_prompt_ids_equal_transformers(m46, pair):
+    wrong = []
+    with with_hotfix(m46) as statuses:
+        assert statuses["processor_downsample_mode"].applied, statuses["processor_downsample_mode"]
+        for kwargs in REQUEST_KWARGS:
+            for w, h in SIZES:
+                got, want = vllm_ids(pair, "image", [image(w, h)], kwargs), hf_ids(pair, "image", [image(w, h)], kwargs)
+                if got != want:
+                    wrong.append(f"{w}x{h} {kwargs}: {got.count(pair.hf.image_token_id)} pads, transformers "
+                                 f"{want.count(pair.hf.image_token_id)}")
+        two = [image(640, 480), image(50, 40)]
+        if vllm_ids(pair, "image", two, {}) != hf_ids(pair, "image", two, {}):
+            wrong.append("two images")
+    assert not wrong, wrong
+
+
+def test_vit_merger_qkv_equals_the_checkpoint(m46, ckpt):
+    import torch
+    from support.vllm_build import build_vllm_model, checkpoint_tensors, load_checkpoint
+
+    ocr = importlib.import_module(OCR_MODULE)
+    tensors = checkpoint_tensors(ckpt)
+    with hotfix(m46, "auto", fixes=("qkv_loader", "qkv_completeness_guard")):
+        model = build_vllm_model(ckpt, load=False, model_cls=ocr.MiniCPMOcrForConditionalGeneration)
+        load_checkpoint(model, ckpt)
+    params = dict(model.named_parameters())
+    for s in ("weight", "bias"):
+        parts = [tensors[f"model.vision_tower.vit_merger.self_attn.{p}_proj.{s}"] for p in "qkv"]
+        assert torch.equal(params[f"vit_merger.self_attn.qkv_proj.{s}"], torch.cat(parts)), s
