@@ -95,7 +95,7 @@ def undeclared_row(fix: ModuleType, cls: type, base: type) -> dict[str, Any]:
     return {
         "declared": False, "verdict": "n/a", "reason": "", "applied": False, "unknown": True,
         "why": (f"{class_name(cls)} subclasses vLLM's {base.__name__} but is no member of the family this hotfix "
-                f"knows ({', '.join(FAMILY.values())}); {fix.NAME} does not cover it: its instances get vLLM's own "
+                f"knows ({', '.join(dict.fromkeys(FAMILY.values()))}); {fix.NAME} does not cover it: its instances get vLLM's own "
                 "code"),
     }
 
