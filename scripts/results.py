@@ -106,7 +106,6 @@ def collect(out: Path, specs: list[str]) -> list[dict]:
             row["labels"] = {name: v.get("label", name) for name, v in (info.get("fixes") or {}).items()}
             row["observed"] = info.get("observed") or {}
             row["backports"] = info.get("backports") or {}
-            row["unbackported"] = info.get("unbackported") or {}
         rows.append(row)
     return rows
 
@@ -327,15 +326,6 @@ def _member_cell(r: dict, backport: dict) -> str:
     return "cannot be served: " + backport["reason"].split(":")[0]
 
 
-def _unbackported_cell(u: dict) -> str:
-    """One environment's answer for a member the hotfix has no backport of (doctor's ``member`` row, in short)."""
-    if u.get("vllm") and u.get("transformers"):
-        return "vLLM's own"
-    if u.get("vllm"):
-        return f"not served: transformers {u.get('transformers_version')} has no {u.get('model_type')}"
-    return "not served: vLLM has no class, no backport"
-
-
 def _by_transformers(answers: dict[str, list[str]]) -> str:
     """One cell from ``{answer: [transformers versions]}``: the answer, or each answer with its versions."""
     if len(answers) == 1:
@@ -357,14 +347,9 @@ def render_members(data: dict) -> str:
             for name, b in (r.get("backports") or {}).items():
                 if (name, b["member"]) not in members:
                     members.append((name, b["member"]))
-    others: list[str] = []  # members the hotfix has no backport of (MiniCPM-OCR)
-    for envs in by_release.values():
-        for r in envs:
-            others += [m for m, u in (r.get("unbackported") or {}).items()
-                       if isinstance(u, dict) and m not in others]
     applied = {row["release"]: len(row["applied"]) for row in releases(data)}
-    lines = ["| " + " | ".join(["vLLM", "MiniCPM-V 4.6", *(m for _, m in members), *others]) + " |",
-             "|---|---|" + "---|" * (len(members) + len(others))]
+    lines = ["| " + " | ".join(["vLLM", "MiniCPM-V 4.6", *(m for _, m in members)]) + " |",
+             "|---|---|" + "---|" * len(members)]
     for rel in sorted(by_release, key=_version_key):
         envs = by_release[rel]
         cells = [f"vLLM's own, {applied.get(rel, 0)} fixes"]
@@ -373,13 +358,6 @@ def render_members(data: dict) -> str:
             for r in envs:
                 b = (r.get("backports") or {}).get(name)
                 answers.setdefault(_member_cell(r, b) if b else "not measured", []).append(r.get("transformers", "?"))
-            cells.append(_by_transformers(answers))
-        for member in others:
-            answers = {}
-            for r in envs:
-                u = (r.get("unbackported") or {}).get(member)
-                answers.setdefault(_unbackported_cell(u) if isinstance(u, dict) else "not measured",
-                                   []).append(r.get("transformers", "?"))
             cells.append(_by_transformers(answers))
         lines.append(f"| {rel} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + (

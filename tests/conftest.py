@@ -224,16 +224,10 @@ def pytest_sessionfinish(session, exitstatus):
     for backport in BACKPORTS:
         v = backport.probe()
         backports[backport.NAME] = {"member": backport.MEMBER, "verdict": v.state.value, "reason": v.reason}
-    # The members the hotfix cannot add (no backport; none since MiniCPM-OCR has one): whether this vLLM registers the architecture and
-    # this transformers reads its config (doctor's own check, run here).
-    from vllm_minicpm_hotfix.cli.doctor import child, facts
-
-    unbackported = child.unbackported(facts.unbackported_members())
     Path(report).write_text(
         json.dumps(
             {
                 "backports": backports,
-                "unbackported": unbackported,
                 "vllm": vllm.__version__,
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,

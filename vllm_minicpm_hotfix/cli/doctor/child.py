@@ -208,39 +208,7 @@ def vllm_process(names, pkg_parent):
     res["wrapt"] = wrapt_in_use()
     if module is not None:
         res.update(probe_fixes(names, module, pkg_parent))
-    res["unbackported"] = unbackported(names.get("unbackported") or [])
     return res
-
-
-def unbackported(members):
-    """For each ``[member, architecture, model_type]`` the hotfix has no backport of: whether vLLM's model registry
-    has the architecture, whether the installed transformers has a config of ``model_type`` (vLLM reads the
-    checkpoint's config through it), and the transformers requirement vLLM's metadata states. Never raises."""
-    import importlib.metadata as md
-
-    out = {}
-    try:
-        from vllm.model_executor.models.registry import ModelRegistry
-
-        archs = set(ModelRegistry.get_supported_archs())
-    except BaseException as exc:  # noqa: BLE001
-        return {"error": one_line(exc)}
-    try:
-        import transformers
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-        tf_version, known = transformers.__version__, set(CONFIG_MAPPING_NAMES)
-    except BaseException:  # noqa: BLE001
-        tf_version, known = None, set()
-    try:
-        pin = next((r.split(";")[0].strip() for r in md.requires("vllm") or []
-                    if r.split(";")[0].strip().lower().startswith("transformers")), None)
-    except BaseException:  # noqa: BLE001 - a vLLM without metadata (a source tree)
-        pin = None
-    for member, arch, model_type in members:
-        out[member] = {"architecture": arch, "model_type": model_type, "vllm": arch in archs,
-                       "transformers": model_type in known, "transformers_version": tf_version, "vllm_requires": pin}
-    return out
 
 
 def main(argv):

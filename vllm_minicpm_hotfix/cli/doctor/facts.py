@@ -353,19 +353,7 @@ def child_names() -> dict[str, str]:
     """The names :mod:`vllm_minicpm_hotfix.cli.doctor.child` looks for, from the modules that define them (it may import
     none of them itself)."""
     return {"package": PACKAGE, "model_module": TARGET_MODULE, "finder_flag": FINDER_FLAG,
-            "sitecustomize_marker": SITECUSTOMIZE_MARKER, "unbackported": unbackported_members()}
-
-
-def unbackported_members() -> list[list[str]]:
-    """``[member, architecture, model_type]`` of every family member verify knows that has no backport (none since
-    MiniCPM-OCR has one; each backport has its own row): doctor says whether this vLLM serves it, since the hotfix
-    cannot add it."""
-    from ...backports import BACKPORTS
-    from ..verify.checkpoint import MEMBERS, MODEL_TYPE
-
-    archs = {b.ARCH for b in BACKPORTS}
-    return [[member, arch, model_type] for model_type, (member, arch) in MEMBERS.items()
-            if model_type != MODEL_TYPE and arch not in archs]
+            "sitecustomize_marker": SITECUSTOMIZE_MARKER}
 
 
 def child_command(*args: str) -> list[str]:

@@ -32,7 +32,6 @@ def rows(report: dict[str, Any]) -> list[dict[str, str]]:
         [_wrapt_row(report["wrapt"])],
         _process_rows(child),
         _backport_rows(child),
-        _unbackported_rows(child),
         _fix_rows(report.get("fixes") or {}),
     )
     return [{"check": c, "status": s, "detail": d} for group in groups for c, s, d in group]
@@ -182,28 +181,6 @@ def _backport_rows(child: dict[str, Any]) -> list[Row]:
         why = why.removeprefix(f"{says}: ")  # "vLLM's own: its registry has ..."
         detail = f"{row.get('member')}: {says or 'not served here'} ({one_line(why, 240)})"
         out.append((f"backport {name}", status, detail))
-    return out
-
-
-def _unbackported_rows(child: dict[str, Any]) -> list[Row]:
-    """One row per family member the hotfix has no backport of (MiniCPM-OCR), from doctor's vLLM process: OK where
-    vLLM registers it and transformers reads its config, ``-`` where it cannot be served here, and why: vLLM has no
-    such class (and the hotfix cannot add it), or transformers has no config of its ``model_type`` (vLLM 0.33 with
-    the transformers it requires)."""
-    out = []
-    for member, m in (child.get("unbackported") or {}).items():
-        if not isinstance(m, dict):
-            continue
-        arch, tf = m.get("architecture"), m.get("transformers_version")
-        if m.get("vllm") and m.get("transformers"):
-            out.append((f"member {member}", "OK", f"vLLM's own {arch}; transformers {tf} has {m.get('model_type')}"))
-        elif m.get("vllm"):
-            pin = f" (vLLM requires {m['vllm_requires']})" if m.get("vllm_requires") else ""
-            out.append((f"member {member}", "-", f"not served here: vLLM has {arch}, but transformers {tf}{pin} has no "
-                        f"{m.get('model_type')}: vLLM cannot read such a checkpoint's config"))
-        else:
-            out.append((f"member {member}", "-", f"not served here: vLLM has no {arch}, and the hotfix has no "
-                        f"backport of it"))
     return out
 
 
