@@ -92,3 +92,19 @@ def test_vit_merger_qkv_equals_the_checkpoint(m46, ckpt):
     for s in ("weight", "bias"):
         parts = [tensors[f"model.vision_tower.vit_merger.self_attn.{p}_proj.{s}"] for p in "qkv"]
         assert torch.equal(params[f"vit_merger.self_attn.qkv_proj.{s}"], torch.cat(parts)), s
+
+
+def test_bad_request_kwargs_are_refused_before_the_pixel_work(m46, pair):
+    """``request_kwargs`` declares MiniCPM-OCR: on vLLM 0.33's own classes a bad per-request kwarg raises its
+    ``RequestKwargsError`` (HTTP 400) naming the kwarg and the value before vLLM hands the image to transformers."""
+    from support.prompt import pixel_work_calls, processed
+    from vllm_minicpm_hotfix.fixes import request_kwargs as rk
+
+    with pixel_work_calls(pair.vllm) as calls:
+        for kwargs in ({"slice_mode": "false"}, {"max_slice_nums": 0}, {"scale_resolution": 13}, {"patch_size": 7},
+                       {"small_image_upsize": "sometimes"}):
+            ((key, value),) = kwargs.items()
+            with with_hotfix(m46), pytest.raises(rk.RequestKwargsError) as info:
+                processed(pair, "image", [image(640, 480)], kwargs)
+            assert str(info.value).startswith("MiniCPM-OCR: ") and f"mm_processor_kwargs.{key} = {value!r}" in str(info.value)
+    assert not calls, calls
