@@ -356,3 +356,38 @@ def test_request_small_image_upsize_is_taken(m46, ckpt, registered, kwargs):
                 wrong.append(name)
     assert not wrong, wrong
 
+
+# --------------------------------------------------------------------------------------------------------------------
+# placeholder_guard: an item whose placeholder disagrees with its tensors is refused, not sent to the engine
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@here
+@pytest.mark.parametrize("size", [(50, 40), (1344, 896)])
+def test_placeholder_guard_refuses_a_mismatched_item(m46, ckpt, registered, monkeypatch, size):
+    """``placeholder_guard`` declares MiniCPM-OCR. The backport's text is transformers' (the prompt tests above run
+    with the guard applied: it refuses none of them); here one pad is taken off its text, as a layout defect would:
+    the guard refuses the request (a ``ValueError``: HTTP 400) with the embedding count transformers' own
+    ``MiniCPMOcrProcessor`` gives the image; without the declaration vLLM takes the short prompt on to the engine
+    (where the merge of the vision embeddings fails)."""
+    from support.prompt import processed
+    from vllm_minicpm_hotfix.fixes import placeholder_guard as pg
+
+    pair = make_pair(ckpt, {})
+    pad = pair.hf.image_token_id
+    img = image(*size)
+    want = hf_ids(pair, "image", [img], {}).count(pad)
+    own = type(pair.vllm).image_text
+    monkeypatch.setattr(type(pair.vllm), "image_text",
+                        lambda self, *a, **k: own(self, *a, **k).replace(pair.hf.image_token, "", 1))
+    with with_hotfix(m46) as statuses:
+        assert statuses[pg.NAME].applied
+        with pytest.raises(pg.PlaceholderMismatchError) as info:
+            processed(pair, "image", [img], {})
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError) and msg.startswith("MiniCPM-OCR: image item 0 ")
+    assert f"has {want - 1} <|image_pad|> placeholder tokens" in msg and f"give {want} vision embeddings" in msg
+
+    monkeypatch.setattr(pg, "MODELS", tuple(m for m in pg.MODELS if m != "MiniCPM-OCR"))
+    with with_hotfix(m46):
+        assert vllm_ids(pair, "image", [img], {}).count(pad) == want - 1

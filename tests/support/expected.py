@@ -141,7 +141,7 @@ V47_OWN = ("0.32.0", "0.33.0")
 NOT_ON_47 = {"video_image_id_cache"}
 
 #: The fixes that declare MiniCPM-OCR (their ``MODELS``).
-OCR_FIXES: set[str] = {"video_budget", "video_tower", "request_kwargs", "processor_downsample_mode"}
+OCR_FIXES: set[str] = {"video_budget", "video_tower", "request_kwargs", "processor_downsample_mode", "placeholder_guard"}
 #: Where OCR's own verdict is not 4.6's: processor_downsample_mode is "correct" on OCR everywhere -- the backport's
 #: _compute_visual_tokens hands transformers the mode itself (0.22-0.30 with 5.24; measured on 0.22.1 and 0.28.0), and
 #: elsewhere transformers (< 5.23) takes none (0.33.0 measured; the others by 4.6's "correct" there).
