@@ -242,3 +242,152 @@ def test_frame_budget_is_what_the_loader_samples(m46, ckpt, registered):
         fixed, _ = budget()
     assert (stock_frames, loader, fixed) == (16, 32, 32)
     assert "MiniCPM-OCR" in video_budget.MODELS
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# request_kwargs: a bad per-request kwarg is refused (HTTP 400) before any pixel work
+# --------------------------------------------------------------------------------------------------------------------
+
+#: (request kwargs, why it is bad by transformers' own MiniCPMOcrImageProcessor): "type" (not the type its
+#: ``MiniCPMOcrImageProcessorKwargs`` declares), "tiny" (every part reduced to a few vision tokens), "silent" (taken
+#: as another value without a word), "fixed" (other pixel values than the model was built with).
+OCR_REFUSED = [
+    ({"slice_mode": "false"}, "type"),
+    ({"max_slice_nums": 0}, "silent"),
+    ({"scale_resolution": 13}, "tiny"),
+    ({"patch_size": 7}, "fixed"),
+    ({"downsample_mode": "2x"}, "silent"),
+    ({"small_image_upsize": "sometimes"}, "silent"),
+    ({"small_image_upsize": 1}, "type"),
+    ({"images_kwargs": {"max_slice_nums": "9"}}, "type"),
+]
+def _kw_id(kwargs: dict) -> str:
+    return ",".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def _hf(hf, img, kwargs):
+    """transformers' ``MiniCPMOcrProcessor`` on one image: ``(pads, target_sizes, pixel_values)`` or its exception."""
+    try:
+        out = hf(text=[hf.image_token], images=[img], **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the reference outcome
+        return exc
+    return int((out["input_ids"] == hf.image_token_id).sum()), out["target_sizes"].tolist(), out["pixel_values"]
+
+
+@here
+@pytest.mark.parametrize(("kwargs", "kind"), OCR_REFUSED, ids=[_kw_id(k) for k, _ in OCR_REFUSED])
+def test_bad_request_kwargs_are_bad_for_transformers(ckpt, kwargs, kind):
+    """The independent reason each refused kwarg is bad, on transformers' own ``MiniCPMOcrProcessor``."""
+    import typing
+
+    import torch
+    from transformers import AutoProcessor
+    from transformers.models.minicpm_ocr import image_processing_minicpm_ocr as ipm
+
+    hf = AutoProcessor.from_pretrained(str(ckpt))
+    assert type(hf).__name__ == "MiniCPMOcrProcessor"
+    img = image(640, 480)
+    ((key, value),) = kwargs.items()
+    if key == "images_kwargs":
+        ((key, value),) = value.items()
+    got, own = _hf(hf, img, kwargs), _hf(hf, img, {})
+    if kind == "type":
+        want = typing.get_type_hints(ipm.MiniCPMOcrImageProcessorKwargs)[key]
+        assert not isinstance(value, want) or (want is int and isinstance(value, bool)), (key, want)
+    elif kind == "tiny":  # the source and each slice: a handful of vision tokens
+        assert not isinstance(got, Exception) and got[0] <= 4 * (1 + hf.image_processor.max_slice_nums), got[:2]
+    elif kind == "silent":  # transformers takes it as another value: the request does not get what it asked for
+        assert not isinstance(got, Exception), got
+        other = {"max_slice_nums": {"slice_mode": False}, "downsample_mode": {"downsample_mode": "16x"},
+                 "small_image_upsize": {"small_image_upsize": "never"}}[key]
+        assert got[:2] == _hf(hf, img, other)[:2], (kwargs, other)
+    else:  # fixed: the model was built with other pixel values
+        if not isinstance(got, Exception):
+            assert got[2].shape != own[2].shape or not torch.equal(got[2], own[2])
+
+
+@here
+@pytest.mark.parametrize(("kwargs", "kind"), OCR_REFUSED, ids=[_kw_id(k) for k, _ in OCR_REFUSED])
+def test_bad_request_kwargs_are_refused_before_the_pixel_work(m46, ckpt, registered, monkeypatch, kwargs, kind):
+    """``request_kwargs`` declares MiniCPM-OCR: each bad kwarg raises its ``RequestKwargsError`` (a ``ValueError``:
+    HTTP 400) naming the kwarg, the value and the model before vLLM hands the image to transformers. Without the
+    declaration (``MODELS`` without OCR) the same request reaches the pixel work."""
+    from support.prompt import pixel_work_calls, processed
+    from vllm_minicpm_hotfix.fixes import request_kwargs as rk
+
+    ((key, value),) = kwargs.items()
+    name = f"mm_processor_kwargs.{key}"
+    if key == "images_kwargs":
+        ((inner, value),) = value.items()
+        name = f"{name}.{inner}"
+    pair = make_pair(ckpt, {})
+    with with_hotfix(m46) as statuses, pixel_work_calls(pair.vllm) as calls:
+        assert statuses[rk.NAME].applied
+        with pytest.raises(rk.RequestKwargsError) as info:
+            processed(pair, "image", [image(640, 480)], kwargs)
+    msg = str(info.value)
+    assert not calls, calls
+    assert isinstance(info.value, ValueError) and info.value.kwarg == name
+    assert msg.startswith("MiniCPM-OCR: ") and f"{name} = {value!r}" in msg
+    assert "must be" in msg or "fixed by the model" in msg
+    if key == "small_image_upsize":
+        assert "['always', 'never', 'adaptive']" in msg
+
+    monkeypatch.setattr(rk, "MODELS", tuple(m for m in rk.MODELS if m != "MiniCPM-OCR"))
+    with with_hotfix(m46), pixel_work_calls(pair.vllm) as calls:
+        try:
+            processed(pair, "image", [image(640, 480)], kwargs)
+        except Exception as exc:  # noqa: BLE001 - what vLLM and transformers make of it
+            assert not isinstance(exc, rk.RequestKwargsError), exc
+    assert calls, "without the declaration the request was refused before the pixel work"
+
+
+@here
+@pytest.mark.parametrize("kwargs", [{"small_image_upsize": "never"}, {"small_image_upsize": "adaptive"}], ids=_kw_id)
+def test_request_small_image_upsize_is_taken(m46, ckpt, registered, kwargs):
+    """OCR's own per-request ``small_image_upsize`` (declared by ``MiniCPMOcrImageProcessorKwargs``) is not refused
+    and gives transformers' prompt, small to sliced, noise and document."""
+    pair = make_pair(ckpt, {})
+    wrong = []
+    with with_hotfix(m46):
+        for name, img in [("50x40", image(50, 40)), ("120x90", image(120, 90)), ("1344x896", image(1344, 896)),
+                          ("document 300x200", document(300, 200))]:
+            if vllm_ids(pair, "image", [img], kwargs) != hf_ids(pair, "image", [img], kwargs):
+                wrong.append(name)
+    assert not wrong, wrong
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# placeholder_guard: an item whose placeholder disagrees with its tensors is refused, not sent to the engine
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@here
+@pytest.mark.parametrize("size", [(50, 40), (1344, 896)])
+def test_placeholder_guard_refuses_a_mismatched_item(m46, ckpt, registered, monkeypatch, size):
+    """``placeholder_guard`` declares MiniCPM-OCR. The backport's text is transformers' (the prompt tests above run
+    with the guard applied: it refuses none of them); here one pad is taken off its text, as a layout defect would:
+    the guard refuses the request (a ``ValueError``: HTTP 400) with the embedding count transformers' own
+    ``MiniCPMOcrProcessor`` gives the image; without the declaration vLLM takes the short prompt on to the engine
+    (where the merge of the vision embeddings fails)."""
+    from support.prompt import processed
+    from vllm_minicpm_hotfix.fixes import placeholder_guard as pg
+
+    pair = make_pair(ckpt, {})
+    pad = pair.hf.image_token_id
+    img = image(*size)
+    want = hf_ids(pair, "image", [img], {}).count(pad)
+    own = type(pair.vllm).image_text
+    monkeypatch.setattr(type(pair.vllm), "image_text",
+                        lambda self, *a, **k: own(self, *a, **k).replace(pair.hf.image_token, "", 1))
+    with with_hotfix(m46) as statuses:
+        assert statuses[pg.NAME].applied
+        with pytest.raises(pg.PlaceholderMismatchError) as info:
+            processed(pair, "image", [img], {})
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError) and msg.startswith("MiniCPM-OCR: image item 0 ")
+    assert f"has {want - 1} <|image_pad|> placeholder tokens" in msg and f"give {want} vision embeddings" in msg
+
+    monkeypatch.setattr(pg, "MODELS", tuple(m for m in pg.MODELS if m != "MiniCPM-OCR"))
+    with with_hotfix(m46):
+        assert vllm_ids(pair, "image", [img], {}).count(pad) == want - 1

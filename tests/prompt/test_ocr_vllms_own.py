@@ -92,3 +92,43 @@ def test_vit_merger_qkv_equals_the_checkpoint(m46, ckpt):
     for s in ("weight", "bias"):
         parts = [tensors[f"model.vision_tower.vit_merger.self_attn.{p}_proj.{s}"] for p in "qkv"]
         assert torch.equal(params[f"vit_merger.self_attn.qkv_proj.{s}"], torch.cat(parts)), s
+
+
+def test_bad_request_kwargs_are_refused_before_the_pixel_work(m46, pair):
+    """``request_kwargs`` declares MiniCPM-OCR: on vLLM 0.33's own classes a bad per-request kwarg raises its
+    ``RequestKwargsError`` (HTTP 400) naming the kwarg and the value before vLLM hands the image to transformers."""
+    from support.prompt import pixel_work_calls, processed
+    from vllm_minicpm_hotfix.fixes import request_kwargs as rk
+
+    with pixel_work_calls(pair.vllm) as calls:
+        for kwargs in ({"slice_mode": "false"}, {"max_slice_nums": 0}, {"scale_resolution": 13}, {"patch_size": 7},
+                       {"small_image_upsize": "sometimes"}):
+            ((key, value),) = kwargs.items()
+            with with_hotfix(m46), pytest.raises(rk.RequestKwargsError) as info:
+                processed(pair, "image", [image(640, 480)], kwargs)
+            assert str(info.value).startswith("MiniCPM-OCR: ") and f"mm_processor_kwargs.{key} = {value!r}" in str(info.value)
+    assert not calls, calls
+
+
+def test_request_slice_mode_false_is_refused_not_sent_to_the_engine(m46, pair, monkeypatch):
+    """vLLM 0.33's own OCR keeps the sliced layout's pads for a per-request ``slice_mode: false`` while its tensors
+    are the unsliced image's. ``placeholder_guard``, which declares MiniCPM-OCR, refuses the request (a
+    ``ValueError``: HTTP 400) with the count transformers' ``MiniCPMOcrProcessor`` gives; without the declaration the
+    prompt goes on with other pads than transformers' (the engine's merge of the embeddings would fail on it)."""
+    from vllm_minicpm_hotfix.fixes import placeholder_guard as pg
+
+    kwargs = {"slice_mode": False}
+    img = image(449, 448)
+    pad = pair.hf.image_token_id
+    want = hf_ids(pair, "image", [img], kwargs).count(pad)
+    with with_hotfix(m46) as statuses:
+        assert statuses[pg.NAME].applied
+        with pytest.raises(pg.PlaceholderMismatchError) as info:
+            vllm_ids(pair, "image", [img], kwargs)
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError) and msg.startswith("MiniCPM-OCR: image item 0 ")
+    assert f"give {want} vision embeddings" in msg, msg
+    monkeypatch.setattr(pg, "MODELS", tuple(m for m in pg.MODELS if m != "MiniCPM-OCR"))
+    with with_hotfix(m46):
+        assert vllm_ids(pair, "image", [img], kwargs).count(pad) != want
+

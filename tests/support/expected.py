@@ -141,7 +141,11 @@ V47_OWN = ("0.32.0", "0.33.0")
 NOT_ON_47 = {"video_image_id_cache"}
 
 #: The fixes that declare MiniCPM-OCR (their ``MODELS``).
-OCR_FIXES: set[str] = {"video_budget", "video_tower"}
+OCR_FIXES: set[str] = {"video_budget", "video_tower", "request_kwargs", "processor_downsample_mode", "placeholder_guard"}
+#: Where OCR's own verdict is not 4.6's: processor_downsample_mode is "correct" on OCR everywhere -- the backport's
+#: _compute_visual_tokens hands transformers the mode itself (0.22-0.30 with 5.24; measured on 0.22.1 and 0.28.0), and
+#: elsewhere transformers (< 5.23) takes none (0.33.0 measured; the others by 4.6's "correct" there).
+OCR_OWN: dict[str, str] = {"processor_downsample_mode": "correct"}
 
 MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
     "MiniCPM-V 4.7": {
@@ -152,7 +156,8 @@ MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
     # MiniCPM-OCR's classes are present everywhere: vLLM's own on 0.33.0, the backport's module elsewhere (it
     # imports without transformers' minicpm_ocr; only vLLM's registry decides whether it is served). The fixes that
     # declare OCR (its classes inherit their defects) probe them: the verdict is 4.6's (OCR_FIXES); the others "n/a".
-    "MiniCPM-OCR": {env: {fix: (block[env] if fix in OCR_FIXES else "n/a") for fix, block in VERDICTS.items()}
+    "MiniCPM-OCR": {env: {fix: (OCR_OWN.get(fix, block[env]) if fix in OCR_FIXES else "n/a")
+                          for fix, block in VERDICTS.items()}
                     for env in ENVIRONMENTS},
 }
 

@@ -267,6 +267,30 @@ def processed(pair: Pair, modality: str, items: list, request_kwargs: dict):
     return proc.apply(ProcessorInputs(**kwargs), TimingContext(enabled=False))
 
 
+#: Where vLLM hands a request's items to transformers: ``_call_hf_processor`` (where the release has it) and
+#: MiniCPM-V's ``process_mm_inputs`` (every release).
+PIXEL_WORK = ("_call_hf_processor", "process_mm_inputs")
+
+
+@contextlib.contextmanager
+def pixel_work_calls(proc):
+    """Yields the list of :data:`PIXEL_WORK` calls made on vLLM's processor ``proc`` while it is open."""
+    calls: list[str] = []
+    present = [name for name in PIXEL_WORK if callable(getattr(proc, name, None))]
+    assert present, f"vLLM's processor has none of {PIXEL_WORK}"
+    for name in present:
+        def call(*args, _original=getattr(proc, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(proc, name, call)
+    try:
+        yield calls
+    finally:
+        for name in present:
+            proc.__dict__.pop(name, None)
+
+
 def vllm_ids(pair: Pair, modality: str, items: list, request_kwargs: dict) -> list[int]:
     """The prompt token ids vLLM's processor builds (:func:`processed`)."""
     return list(processed(pair, modality, items, request_kwargs)["prompt_token_ids"])

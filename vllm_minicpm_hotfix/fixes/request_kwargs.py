@@ -44,6 +44,13 @@ members in :data:`MODELS` it checks, in this order, and raises :class:`RequestKw
 
 Nothing is decoded, resized, hashed or cached for a refused request, so vLLM's processor cache is left as it was.
 
+MiniCPM-OCR (its processors, the backport's and vLLM 0.33's, inherit 4.6's ``apply``): transformers'
+``MiniCPMOcrImageProcessorKwargs`` declares the same sizing keys and ``downsample_mode`` values as 4.6's, plus
+``small_image_upsize`` (:data:`OPTIONAL_SIZING`: judged only where the installed image processor declares it, one of
+:data:`UPSIZE_MODES`; transformers silently takes any other string as ``"never"``). The budget sizes an item as
+``"always"`` does: an upper bound for ``"never"`` and ``"adaptive"``, except that ``"adaptive"`` sizes a tiny image
+to 84 pixels even where ``scale_resolution`` is smaller (a few tokens more than counted).
+
 The decision
 ------------
 :func:`probe` runs the class's ``apply`` on a stand-in processor (created without ``__init__``) for a request with
@@ -62,27 +69,35 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import EVERY_CALL, PROCESSOR_CLASS, V46, V47, Call, Refusal, model_of, on_import, wrap
+from ._base import EVERY_CALL, PROCESSOR_CLASS, V46, V47, VOCR, Call, Refusal, model_of, on_import, wrap
 from . import _mm_prompt as mp
 
 NAME = "request_kwargs"
 LABEL = "request mm_processor_kwargs validation and per-item budget (HTTP 400 before any pixel work)"
 BUDGET_MODULE = "vllm.multimodal.encoder_budget"
 BUDGET_TARGET = f"{BUDGET_MODULE}:compute_mm_encoder_budget"
-MODELS = (V46, V47)
+MODELS = (V46, V47, VOCR)  # MiniCPM-OCR's processors (the backport's, vLLM 0.33's) inherit 4.6's apply
 #: Its budget reads transformers' sizing as the prompt fixes leave it.
 AFTER = ("processor_downsample_mode", "mm_placeholders")
 
-#: The sizing keys a request may set (transformers' ``MiniCPMV4_6ImageProcessorKwargs``), with their type.
+#: The sizing keys a request may set (transformers' ``MiniCPMV4_6ImageProcessorKwargs``; MiniCPM-OCR's
+#: ``MiniCPMOcrImageProcessorKwargs`` adds ``small_image_upsize``), with their type.
 SIZING: dict[str, type] = {
     "max_slice_nums": int,
     "scale_resolution": int,
     "slice_mode": bool,
     "use_image_id": bool,
     "downsample_mode": str,
+    "small_image_upsize": str,
 }
+#: Sizing keys judged only where the installed image processor declares them (MiniCPM-OCR's); elsewhere they are
+#: left to vLLM and transformers, as any key the processor does not declare.
+OPTIONAL_SIZING = frozenset({"small_image_upsize"})
 #: Values ``downsample_mode`` may take (transformers: ``"4x"`` keeps 4x more tokens, anything else is ``"16x"``).
 DOWNSAMPLE_MODES = ("16x", "4x")
+#: Values MiniCPM-OCR's ``small_image_upsize`` may take (transformers 5.24: anything else is silently ``"never"``);
+#: ``"adaptive"`` only where transformers has OpenCV (else its image processor raises ``ImportError``).
+UPSIZE_MODES = ("always", "never", "adaptive")
 #: Keys of transformers' image / video processor kwargs the model was built with (``ImagesKwargs`` /
 #: ``VideosKwargs`` of transformers 5.7-5.24, plus MiniCPM-V's ``patch_size``); the installed classes' own
 #: declarations are added at run time (:func:`fixed_keys`).
@@ -175,7 +190,13 @@ def rules(geometry: Mapping[str, Any]) -> dict[str, str]:
         "slice_mode": "a boolean (true or false)",
         "use_image_id": "a boolean (true or false)",
         "downsample_mode": f"one of {list(DOWNSAMPLE_MODES)}",
+        "small_image_upsize": f"one of {list(geometry.get('upsize_modes') or UPSIZE_MODES)}",
     }
+
+
+def settable(geometry: Mapping[str, Any]) -> list[str]:
+    """The sizing keys a request may set on a processor of ``geometry`` (:data:`OPTIONAL_SIZING` where declared)."""
+    return sorted(k for k in SIZING if k not in OPTIONAL_SIZING or k in (geometry.get("optional") or ()))
 
 
 def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], model: str, *,
@@ -211,9 +232,9 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
             raise RequestKwargsError(
                 f"{model}: {name} = {value!r} is refused: {key} is fixed by the model "
                 f"({'the checkpoint' if model_level else 'the server'} was built with its own value; "
-                f"{'--mm-processor-kwargs' if model_level else 'a request'} may set only {sorted(SIZING)})",
+                f"{'--mm-processor-kwargs' if model_level else 'a request'} may set only {settable(geometry)})",
                 kwarg=name, value=value, cause="fixed_key")
-        if key not in SIZING:
+        if key not in SIZING or (key in OPTIONAL_SIZING and key not in (geometry.get("optional") or ())):
             continue
         if key == "downsample_mode" and not geometry.get("has_downsample_mode", True):
             raise RequestKwargsError(f"{model}: {name} = {value!r} is refused: the installed transformers' image "
@@ -238,6 +259,8 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
             bad = value < (geometry.get("min_scale") or 0) or (top is not None and value > top)
         elif key == "downsample_mode":
             bad = value not in DOWNSAMPLE_MODES
+        elif key == "small_image_upsize":
+            bad = value not in (geometry.get("upsize_modes") or UPSIZE_MODES)
         if bad:
             raise RequestKwargsError(f"{model}: {name} = {value!r} is refused: it must be {allowed[key]}",
                                      kwarg=name, value=value)
@@ -350,6 +373,7 @@ def _geometry(processor: Any) -> dict[str, Any]:
         "patch": patch, "min_scale": TOKEN_WINDOW * patch, "image_tokens": limit["tokens"], "why": limit["why"],
         "max_scale": TOKEN_WINDOW * patch * max(math.isqrt(limit["tokens"]), 1), "fixed": fixed_keys(ip),
         "has_downsample_mode": not declared or "downsample_mode" in declared, "limit": limit,
+        "optional": frozenset(OPTIONAL_SIZING & declared), "upsize_modes": upsize_modes(),
     }
     # The checkpoint's and transformers' own value besides the model-level one (4.7's processing info reports the
     # latter): a request may ask up to what the model itself takes; the per-item budget bounds the cost.
@@ -361,6 +385,16 @@ def _geometry(processor: Any) -> dict[str, Any]:
             pass
     geo["max_slices"] = max(slices) if max(slices) > 0 else None
     return geo
+
+
+def upsize_modes() -> tuple[str, ...]:
+    """:data:`UPSIZE_MODES` without ``"adaptive"`` where transformers has no OpenCV (its ``"adaptive"`` needs it)."""
+    try:
+        from transformers.utils import is_cv2_available
+
+        return UPSIZE_MODES if is_cv2_available() else tuple(m for m in UPSIZE_MODES if m != "adaptive")
+    except Exception:  # noqa: BLE001 - a transformers without the check: its own error decides
+        return UPSIZE_MODES
 
 
 def _cost(ip: Any, hw_list: list[tuple[int, int]], eff: Mapping[str, Any]) -> tuple[int, int]:
