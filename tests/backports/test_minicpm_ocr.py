@@ -38,7 +38,7 @@ from support.backport47 import (
     write_checkpoint,
 )
 from support.hotfix import hotfix
-from support.prompt import hf_ids, image, make_pair, vllm_ids, with_hotfix
+from support.prompt import assert_all_equal, hf_ids, image, make_pair, vllm_ids, with_hotfix
 from vllm_minicpm_hotfix import backports, record
 from vllm_minicpm_hotfix.backports import minicpm_ocr as bp
 
@@ -160,17 +160,9 @@ def test_prompt_ids_equal_transformers(m46, ckpt, registered, upsize):
     model_kwargs = {"small_image_upsize": upsize} if upsize else {}
     pair = make_pair(ckpt, model_kwargs)
     assert type(pair.vllm).__module__ == bp.MODEL_MODULE and type(pair.hf).__name__ == "MiniCPMOcrProcessor"
-    wrong = []
+    cases = [(name, "image", [img], kwargs) for name, img, kwargs in _cases()]
     with with_hotfix(m46):
-        for name, img, kwargs in _cases():
-            got, want = vllm_ids(pair, "image", [img], kwargs), hf_ids(pair, "image", [img], kwargs)
-            if got != want:
-                wrong.append(f"{name}: {got.count(pair.hf.image_token_id)} pads, transformers "
-                             f"{want.count(pair.hf.image_token_id)}")
-        two = [image(640, 480), image(50, 40)]
-        if vllm_ids(pair, "image", two, {}) != hf_ids(pair, "image", two, {}):
-            wrong.append("two images")
-    assert not wrong, wrong
+        assert_all_equal(pair, cases + [("two images", "image", [image(640, 480), image(50, 40)], {})])
 
 
 @here

@@ -29,7 +29,7 @@ import pytest
 
 from support.backport47 import write_checkpoint
 from support.hotfix import hotfix
-from support.prompt import hf_ids, image, make_pair, vllm_ids, with_hotfix
+from support.prompt import assert_all_equal, hf_ids, image, make_pair, vllm_ids, with_hotfix
 
 pytestmark = pytest.mark.placed("0.33.0:tf5.24.0")
 
@@ -64,19 +64,10 @@ def test_stock_fails_every_image(pair):
 
 
 def test_prompt_ids_equal_transformers(m46, pair):
-    wrong = []
+    cases = [(f"{w}x{h}", "image", [image(w, h)], kwargs) for kwargs in REQUEST_KWARGS for w, h in SIZES]
     with with_hotfix(m46) as statuses:
         assert statuses["processor_downsample_mode"].applied, statuses["processor_downsample_mode"]
-        for kwargs in REQUEST_KWARGS:
-            for w, h in SIZES:
-                got, want = vllm_ids(pair, "image", [image(w, h)], kwargs), hf_ids(pair, "image", [image(w, h)], kwargs)
-                if got != want:
-                    wrong.append(f"{w}x{h} {kwargs}: {got.count(pair.hf.image_token_id)} pads, transformers "
-                                 f"{want.count(pair.hf.image_token_id)}")
-        two = [image(640, 480), image(50, 40)]
-        if vllm_ids(pair, "image", two, {}) != hf_ids(pair, "image", two, {}):
-            wrong.append("two images")
-    assert not wrong, wrong
+        assert_all_equal(pair, cases + [("two images", "image", [image(640, 480), image(50, 40)], {})])
 
 
 def test_vit_merger_qkv_equals_the_checkpoint(m46, ckpt):
