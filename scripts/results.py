@@ -323,7 +323,16 @@ def _member_cell(r: dict, backport: dict) -> str:
         return f"registered by the hotfix, {fixes} fixes"
     if backport["verdict"] == "correct" and backport["reason"].startswith("vLLM's own"):
         return f"vLLM's own, {fixes} fixes"
-    return "cannot be served: " + backport["reason"].split(":")[0]
+    return "cannot be served: " + _first_clause(backport["reason"])
+
+
+def _first_clause(reason: str) -> str:
+    """``reason`` up to its first ``": "`` (where a probe's reason goes on to details), without a trailing
+    ``(module:Class)`` it names or a parenthesis left open."""
+    head = reason.split(": ")[0]
+    if head.count("(") > head.count(")") or (head.endswith(")") and ":" in head[head.rfind("("):]):
+        head = head[: head.rindex("(")].rstrip()
+    return head
 
 
 def _by_transformers(answers: dict[str, list[str]]) -> str:
