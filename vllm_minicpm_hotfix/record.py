@@ -211,7 +211,7 @@ def summary_line(status: Status, registry: list[str]) -> str:
 
     (one line; wrapped here). The applied fixes are named by ``NAME``: ``all``, ``none`` (``none: off`` under
     ``VLLM_MINICPM_HOTFIX=off``), their list, or ``all but`` the list of the others, whichever is shorter -- so the
-    line stays under 320 characters for any subset of 17 fixes applied (where every probe reached a verdict). Fixes
+    line stays under 320 characters for any subset of 18 fixes applied (where every probe reached a verdict). Fixes
     ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` leaves out follow as ``; left out: NAMES``; fixes left alone because their
     probe could not tell (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that
     raised inside the hook as ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way;

@@ -199,9 +199,9 @@ def _unknown_rows(*modules: str) -> dict[str, dict]:
             for m in modules}
 
 
-@pytest.mark.placed(*LOGIC_ENV)  # record's own code on made-up statuses (all 65536 subsets: ~9 s of CPU)
+@pytest.mark.placed(*LOGIC_ENV)  # record's own code on made-up statuses (all 262144 subsets)
 def test_summary_line_stays_short_for_any_set_of_fixes():
-    """Every subset of the fixes, with the longest values a real process has: under 320 characters (17 fixes), one
+    """Every subset of the fixes, with the longest values a real process has: under 320 characters (18 fixes), one
     line, and parsed back to the same subset; with subclasses no family member owns at their longest as well (a module
     name of 15 characters, the most the line spells out, on every fix): under 350, parsed back the same; with a
     backport's part (``; MiniCPM-V 4.7: ...``, at most 45 characters) on the longest: under 365."""
@@ -229,7 +229,7 @@ def test_summary_line_stays_short_for_any_set_of_fixes():
     assert longest_uncovered < 350, longest_uncovered
     # A backport's part (record._backports_part) at its longest, on the longest line: under 365, parsed back.
     st.fixes = {n: record.FixStatus(n, "broken", "", False, "") for n in reg}
-    st.fixes[reg[0]].applied = True  # "all but" the other 16 names: the longest rendering
+    st.fixes[reg[0]].applied = True  # "all but" the other 17 names: the longest rendering
     for says, row in (("registered by another plugin", ("correct", "registered by vllm_plugin_x:Cls", False)),
                       ("registered by the hotfix", ("missing", "", True)), ("vLLM's own", ("correct", "vLLM's own", False))):
         st.backports = {"minicpmv4_7": record.BackportStatus("minicpmv4_7", "MiniCPM-V 4.7", row[0], row[1], row[2], "")}

@@ -38,7 +38,7 @@ from support.backport47 import (
     write_checkpoint,
 )
 from support.hotfix import hotfix
-from support.prompt import assert_all_equal, hf_ids, image, make_pair, vllm_ids, with_hotfix
+from support.prompt import assert_all_equal, hf_ids, image, make_pair, video, vllm_ids, with_hotfix
 from vllm_minicpm_hotfix import backports, record
 from vllm_minicpm_hotfix.backports import minicpm_ocr as bp
 
@@ -163,6 +163,30 @@ def test_prompt_ids_equal_transformers(m46, ckpt, registered, upsize):
     cases = [(name, "image", [img], kwargs) for name, img, kwargs in _cases()]
     with with_hotfix(m46):
         assert_all_equal(pair, cases + [("two images", "image", [image(640, 480), image(50, 40)], {})])
+
+
+#: Videos: (frames, width, height) and the request kwargs; transformers' ``MiniCPMOcrVideoProcessor`` slices and
+#: sizes each frame as 4.6's does, with OCR's ``"4x"`` alignment (no small-image upsize for frames).
+VIDEOS = [((2, 56, 56), {}), ((2, 640, 480), {}), ((1, 1000, 300), {}), ((2, 640, 480), {"max_slice_nums": 1}),
+          ((2, 640, 480), {"slice_mode": False}), ((1, 1000, 300), {"downsample_mode": "16x"}),
+          ((2, 640, 480), {"use_image_id": False})]
+
+
+@here
+def test_video_prompt_ids_equal_transformers(m46, ckpt, registered, monkeypatch):
+    """A video's prompt ids equal ``MiniCPMOcrProcessor``'s: ``mm_placeholders``, which declares MiniCPM-OCR, gives
+    each frame transformers' text (the backport's classes inherit 4.6's video text). Without the declaration vLLM's
+    4.6 arithmetic differs from transformers on some of these videos."""
+    from vllm_minicpm_hotfix.fixes import mm_placeholders
+
+    pair = make_pair(ckpt, {})
+    cases = [(f"video {f}x{w}x{h}", "video", [video(w, h, f)], kw) for (f, w, h), kw in VIDEOS]
+    cases += [("two videos", "video", [video(640, 480, 1), video(56, 56, 2)], {})]
+    with with_hotfix(m46):
+        assert_all_equal(pair, cases)
+    monkeypatch.setattr(mm_placeholders, "MODELS", tuple(m for m in mm_placeholders.MODELS if m != "MiniCPM-OCR"))
+    with with_hotfix(m46), pytest.raises(AssertionError, match="prompts differ from transformers'"):
+        assert_all_equal(pair, cases)
 
 
 @here

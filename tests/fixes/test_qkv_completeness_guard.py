@@ -13,6 +13,7 @@ held before (uninitialised memory in a real start-up; -7 here).
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import re
 import shutil
@@ -329,3 +330,49 @@ def test_quantized_qkv_missing_k_raises_under_auto(m46, expected, gptq_vitqkv):
     print(f"\n{msg}")
     assert msg.startswith(INCOMPLETE + "vit_merger.self_attn.qkv_proj.qweight: shard(s) 'k' missing (received 'q'"), msg
     assert not any(f"qkv_proj.{s}" in msg for s in ("scales", "qzeros", "bias")), msg
+
+
+@pytest.mark.placed("0.33.0:tf5.24.0")  # vLLM's own OCR classes with a transformers that reads the checkpoint
+def test_ocr_checkpoint_missing_k_proj_bias_raises(m46, tmp_path, monkeypatch):
+    """An OCR checkpoint without ``vit_merger.self_attn.k_proj.bias``: vLLM 0.33's own load leaves the k rows of
+    ``qkv_proj.bias`` as they were (its "weights not initialized" check exempts the layer); with the hotfix
+    ``qkv_completeness_guard``, which declares MiniCPM-OCR (its ``load_weights`` is 4.6's), refuses the checkpoint
+    naming the parameter and the missing shard; without the declaration it loads as stock does."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from support.backport47 import write_checkpoint as write_member
+    from support.vllm_build import build_vllm_model, load_checkpoint
+
+    guard = qkv_guard
+    ocr = importlib.import_module("vllm.model_executor.models.minicpm_ocr")
+    bad = write_member(tmp_path / "missing-k-bias", member="ocr")
+    (weights,) = bad.glob("*.safetensors")
+    tensors = load_file(weights)
+    del tensors["model.vision_tower.vit_merger.self_attn.k_proj.bias"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+    def load() -> torch.Tensor:
+        model = build_vllm_model(bad, load=False, model_cls=ocr.MiniCPMOcrForConditionalGeneration)
+        bias = model.vit_merger.self_attn.qkv_proj.bias
+        with torch.no_grad():
+            bias.fill_(-7.0)
+        load_checkpoint(model, bad)
+        return bias.detach()
+
+    with hotfix(m46, "off", fixes=None):
+        k = load()[bias_rows(tensors)]
+        assert torch.equal(k, torch.full_like(k, -7.0))  # stock: the k rows keep what they held
+    with hotfix(m46, "auto", fixes=None) as statuses:
+        assert statuses[guard.NAME].models["MiniCPM-OCR"]["applied"], statuses[guard.NAME].models
+        with pytest.raises(QKVLoadError, match=re.escape("vit_merger.self_attn.qkv_proj.bias: shard(s) 'k' missing")):
+            load()
+    monkeypatch.setattr(guard, "MODELS", tuple(m for m in guard.MODELS if m != "MiniCPM-OCR"))
+    with hotfix(m46, "auto", fixes=None):
+        k = load()[bias_rows(tensors)]
+        assert torch.equal(k, torch.full_like(k, -7.0))
+
+
+def bias_rows(tensors: dict) -> slice:
+    """The k rows of the fused ``qkv_proj.bias``: after q's."""
+    n = tensors["model.vision_tower.vit_merger.self_attn.q_proj.bias"].shape[0]
+    return slice(n, 2 * n)

@@ -10,8 +10,11 @@ ocr --scale-resolution 448``) and that checkpoint's tensors.
   ``scripts/measure_ocr_stock.py`` shows the same over the whole seeded sweep and every request kwarg.
 * **With the hotfix** (every fix applied as the hook applies them): ``processor_downsample_mode``, which declares
   MiniCPM-OCR (vLLM's OCR info overrides ``_compute_visual_tokens`` with a body that omits the mode as 4.6's does),
-  hands the mode, and vLLM's prompt ids equal ``MiniCPMOcrProcessor``'s for tiny to sliced images, the ``"4x"`` grid
-  (449 px: 28- against 56-pixel alignment), the request kwargs of :data:`REQUEST_KWARGS` and two images.
+  hands the mode, and ``mm_placeholders``, which declares it too, puts transformers' text in place of vLLM's OCR
+  text (which keeps ``<image_id>`` under ``use_image_id: false`` and the sliced layout under ``slice_mode: false``):
+  vLLM's prompt ids equal ``MiniCPMOcrProcessor``'s for tiny to sliced images, the ``"4x"`` grid (449 px: 28-
+  against 56-pixel alignment), the request kwargs of :data:`REQUEST_KWARGS`, the model-level ones of
+  :data:`MODEL_KWARGS` and two images.
 * **The load**: vLLM's own OCR model class, built on CPU and loaded with its own ``load_weights`` (with the q/k/v
   fixes where the hook applies them): the window merger's ``qkv_proj`` equals cat(q, k, v) of the checkpoint.
 
@@ -37,12 +40,15 @@ OCR_MODULE = "vllm.model_executor.models.minicpm_ocr"
 MISSING_MODE = "find_best_resize() missing 1 required positional argument: 'downsample_mode'"
 #: (width, height): tiny (upsized to scale_resolution), small, square, the 4x grid, wide, tall, sliced.
 SIZES = [(20, 20), (50, 40), (448, 448), (449, 448), (640, 480), (1000, 300), (300, 1200), (1344, 896)]
-#: Per-request kwargs whose prompt the hotfix makes equal here. Not among them, and not fixed on vLLM 0.33's own OCR
-#: classes (docs/ocr.md): ``slice_mode: false`` (vLLM keeps the sliced layout's pads: 762 against 256 at 449x448) and
-#: ``use_image_id: false`` (vLLM keeps ``<image_id>``), which ``mm_placeholders`` and ``request_kwargs`` fix for 4.6
-#: and 4.7 but do not declare for MiniCPM-OCR.
-REQUEST_KWARGS = [{}, {"max_slice_nums": 2}, {"downsample_mode": "16x"}]
-
+#: Per-request kwargs. vLLM 0.33's own OCR keeps ``<image_id>`` under ``use_image_id: false`` and the sliced layout's
+#: pads under ``slice_mode: false`` (762 against 256 at 449x448); ``mm_placeholders``, which declares MiniCPM-OCR,
+#: gives transformers' text (laid out from the item's crops, which ``small_image_upsize`` decides from the pixels).
+REQUEST_KWARGS = [{}, {"max_slice_nums": 2}, {"downsample_mode": "16x"}, {"slice_mode": False},
+                  {"use_image_id": False}, {"small_image_upsize": "never"}, {"small_image_upsize": "adaptive"}]
+#: Model-level ``--mm-processor-kwargs`` (the server's): the same three that vLLM's own text gets wrong or that
+#: decide the crops from the pixels.
+MODEL_KWARGS = [{"use_image_id": False}, {"slice_mode": False}, {"small_image_upsize": "never"},
+                {"small_image_upsize": "adaptive"}]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
@@ -67,7 +73,29 @@ def test_prompt_ids_equal_transformers(m46, pair):
     cases = [(f"{w}x{h}", "image", [image(w, h)], kwargs) for kwargs in REQUEST_KWARGS for w, h in SIZES]
     with with_hotfix(m46) as statuses:
         assert statuses["processor_downsample_mode"].applied, statuses["processor_downsample_mode"]
+        assert statuses["mm_placeholders"].models["MiniCPM-OCR"]["applied"], statuses["mm_placeholders"].models
         assert_all_equal(pair, cases + [("two images", "image", [image(640, 480), image(50, 40)], {})])
+
+
+@pytest.mark.parametrize("model_kwargs", MODEL_KWARGS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+def test_model_level_kwargs_give_transformers_prompt(m46, ckpt, model_kwargs):
+    pair = make_pair(ckpt, model_kwargs)
+    cases = [(f"{w}x{h}", "image", [image(w, h)], {}) for w, h in SIZES]
+    with with_hotfix(m46):
+        assert_all_equal(pair, cases + [("two images", "image", [image(640, 480), image(50, 40)], {})])
+
+
+def test_without_the_declaration_vllms_own_text_differs(m46, pair, monkeypatch):
+    """What ``mm_placeholders``' declaration of MiniCPM-OCR changes on vLLM's own classes: without it (every other fix
+    applied) ``use_image_id: false`` keeps ``<image_id>`` and ``slice_mode: false`` keeps the sliced layout's pads."""
+    from vllm_minicpm_hotfix.fixes import mm_placeholders
+
+    monkeypatch.setattr(mm_placeholders, "MODELS", tuple(m for m in mm_placeholders.MODELS if m != "MiniCPM-OCR"))
+    img = image(449, 448)
+    with with_hotfix(m46):
+        got = vllm_ids(pair, "image", [img], {"use_image_id": False})
+        assert got != hf_ids(pair, "image", [img], {"use_image_id": False})
+        assert pair.tokenizer.convert_tokens_to_ids("<image_id>") in got
 
 
 def test_vit_merger_qkv_equals_the_checkpoint(m46, ckpt):
@@ -102,16 +130,20 @@ def test_bad_request_kwargs_are_refused_before_the_pixel_work(m46, pair):
 
 
 def test_request_slice_mode_false_is_refused_not_sent_to_the_engine(m46, pair, monkeypatch):
-    """vLLM 0.33's own OCR keeps the sliced layout's pads for a per-request ``slice_mode: false`` while its tensors
-    are the unsliced image's. ``placeholder_guard``, which declares MiniCPM-OCR, refuses the request (a
-    ``ValueError``: HTTP 400) with the count transformers' ``MiniCPMOcrProcessor`` gives; without the declaration the
-    prompt goes on with other pads than transformers' (the engine's merge of the embeddings would fail on it)."""
+    """Without ``mm_placeholders``' declaration of MiniCPM-OCR, vLLM 0.33's own OCR keeps the sliced layout's pads for
+    a per-request ``slice_mode: false`` while its tensors are the unsliced image's. ``placeholder_guard``, which
+    declares MiniCPM-OCR too, refuses such a request (a ``ValueError``: HTTP 400) with the count transformers'
+    ``MiniCPMOcrProcessor`` gives; without its declaration either, the prompt goes on with other pads than
+    transformers' (the engine's merge of the embeddings would fail on it). With every fix, the prompt is
+    transformers' (:func:`test_prompt_ids_equal_transformers`)."""
+    from vllm_minicpm_hotfix.fixes import mm_placeholders
     from vllm_minicpm_hotfix.fixes import placeholder_guard as pg
 
     kwargs = {"slice_mode": False}
     img = image(449, 448)
     pad = pair.hf.image_token_id
     want = hf_ids(pair, "image", [img], kwargs).count(pad)
+    monkeypatch.setattr(mm_placeholders, "MODELS", tuple(m for m in mm_placeholders.MODELS if m != "MiniCPM-OCR"))
     with with_hotfix(m46) as statuses:
         assert statuses[pg.NAME].applied
         with pytest.raises(pg.PlaceholderMismatchError) as info:
@@ -122,4 +154,3 @@ def test_request_slice_mode_false_is_refused_not_sent_to_the_engine(m46, pair, m
     monkeypatch.setattr(pg, "MODELS", tuple(m for m in pg.MODELS if m != "MiniCPM-OCR"))
     with with_hotfix(m46):
         assert vllm_ids(pair, "image", [img], kwargs).count(pad) != want
-

@@ -118,6 +118,10 @@ VERDICTS: dict[str, dict[tuple[str, str], str]] = {
         # No release checks a request's MiniCPM-V mm_processor_kwargs before transformers' processor runs.
         **{env: "broken" for env in ENVIRONMENTS},
     },
+    "ocr_video_kwargs": {
+        # A MiniCPM-OCR fix: vLLM's 4.6 class has no OCR process_videos (nothing to correct, not applicable).
+        **{env: "correct" for env in ENVIRONMENTS},
+    },
     "canvas_mrope": {
         # A 4.7 fix: vLLM's 4.6 class has no canvas M-RoPE (nothing to correct, not applicable); its 4.7 row below.
         **{env: "correct" for env in ENVIRONMENTS},
@@ -138,14 +142,19 @@ V47_OWN = ("0.32.0", "0.33.0")
 #: On 0.22-0.30 4.7's classes are the backport's (vllm_minicpm_hotfix.backports.models.minicpmv4_7, subclasses of
 #: that release's 4.6 classes): measured equal to 4.6's verdict there too, for every fix that declares 4.7
 #: (2026-12-02, every environment of ENVIRONMENTS).
-NOT_ON_47 = {"video_image_id_cache"}
+NOT_ON_47 = {"video_image_id_cache", "ocr_video_kwargs"}
 
 #: The fixes that declare MiniCPM-OCR (their ``MODELS``).
-OCR_FIXES: set[str] = {"video_budget", "video_tower", "request_kwargs", "processor_downsample_mode", "placeholder_guard"}
+OCR_FIXES: set[str] = {"video_budget", "video_tower", "request_kwargs", "processor_downsample_mode", "placeholder_guard",
+                      "mm_placeholders", "encoder_modes", "qkv_completeness_guard", "ocr_video_kwargs", "qkv_loader"}
 #: Where OCR's own verdict is not 4.6's: processor_downsample_mode is "correct" on OCR everywhere -- the backport's
 #: _compute_visual_tokens hands transformers the mode itself (0.22-0.30 with 5.24; measured on 0.22.1 and 0.28.0), and
 #: elsewhere transformers (< 5.23) takes none (0.33.0 measured; the others by 4.6's "correct" there).
 OCR_OWN: dict[str, str] = {"processor_downsample_mode": "correct"}
+#: vLLM 0.33's own OCR classes: encoder_modes' 4x-video probe cannot run there -- OCR's own ``process_videos`` hands
+#: the image processor upsize options (``disable_small_image_upsize``, ...) that no released transformers' image
+#: processor takes (TypeError; measured on 0.33.0, and on 0.33.0:tf5.24.0 with transformers' own OCR processor).
+OCR_OWN_033: dict[str, str] = {"encoder_modes": "undetermined", "ocr_video_kwargs": "broken"}
 
 MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
     "MiniCPM-V 4.7": {
@@ -156,7 +165,8 @@ MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
     # MiniCPM-OCR's classes are present everywhere: vLLM's own on 0.33.0, the backport's module elsewhere (it
     # imports without transformers' minicpm_ocr; only vLLM's registry decides whether it is served). The fixes that
     # declare OCR (its classes inherit their defects) probe them: the verdict is 4.6's (OCR_FIXES); the others "n/a".
-    "MiniCPM-OCR": {env: {fix: (OCR_OWN.get(fix, block[env]) if fix in OCR_FIXES else "n/a")
+    "MiniCPM-OCR": {env: {fix: ((OCR_OWN_033 if env[0] == "0.33.0" else {}).get(fix) or OCR_OWN.get(fix, block[env])
+                                if fix in OCR_FIXES else "n/a")
                           for fix, block in VERDICTS.items()}
                     for env in ENVIRONMENTS},
 }

@@ -65,6 +65,7 @@ class Request(NamedTuple):
 
     items: Any  #: vLLM's ``MultiModalDataItems`` (modality -> ``ProcessorBatchItems``)
     kwargs: Mapping[str, object]  #: the request's ``mm_processor_kwargs`` as vLLM passed them
+    out: Any = None  #: vLLM's processed items (``out_mm_kwargs``: modality -> per-item fields), where passed
 
 
 REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("vllm_minicpm_hotfix_mm_request", default=None)
@@ -158,6 +159,18 @@ def video_frames_hw(request: Request | None, idx: int) -> list[tuple[int, int]] 
     if not sizes or any(s is None for s in sizes):
         return None
     return sizes  # type: ignore[return-value]
+
+
+def image_item_crops(request: Request | None, idx: int) -> list[tuple[int, int]] | None:
+    """``(height, width)`` in patches of every crop of image ``idx`` as transformers' image processor returned them
+    for this request (the item's ``tgt_sizes`` in vLLM's processed items: the source first, then the slices), or
+    None where the request carries none (image embeddings, no processed items passed)."""
+    try:
+        item = request.out["image"][idx]  # type: ignore[union-attr]
+        tensor = item.get("tgt_sizes").data
+        return [(int(h), int(w)) for h, w in tensor.reshape(-1, 2).tolist()]
+    except Exception:  # noqa: BLE001 - nothing processed to read: the caller sizes the item itself
+        return None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -289,18 +302,16 @@ def _memo_text(build: Callable[..., str]) -> Callable[..., str]:
     return text
 
 
-@_memo_text
-def image_text(hf_processor: Any, image_processor: Any, hw: tuple[int, int], eff: Mapping[str, Any], idx: int) -> str:
-    """The text transformers' ``MiniCPMV4_6Processor`` puts in place of image ``idx`` of ``hw`` = ``(height, width)``
-    pixels processed with ``eff`` (see :func:`effective_kwargs`), ``<image_id>`` prefix included when
-    ``eff["use_image_id"]``."""
+def _image_text(hf_processor: Any, grid: Sequence[int], sizes: Sequence[Sequence[int]], eff: Mapping[str, Any],
+                idx: int) -> str:
+    """transformers' text for one image of crops ``sizes`` (patches, source first) in ``grid``: its processor's own
+    ``replace_image_token`` (else its layout, :func:`_rows_text`), the local id in front when ``eff["use_image_id"]``."""
     import numpy as np
 
-    grid, sizes = slice_target_sizes(image_processor, hw[0], hw[1], eff)
     d = divisor(eff["downsample_mode"])
     replace = getattr(type(hf_processor), "replace_image_token", None)
     if callable(replace):
-        inputs = {"grids": [grid], "num_patches_per_image": [len(sizes)], "target_sizes": np.asarray(sizes)}
+        inputs = {"grids": [list(grid)], "num_patches_per_image": [len(sizes)], "target_sizes": np.asarray(sizes)}
         from ._proxies import SlicedAsProcessor
 
         view = SlicedAsProcessor(hf_processor, eff["slice_mode"])
@@ -309,6 +320,33 @@ def image_text(hf_processor: Any, image_processor: Any, hw: tuple[int, int], eff
         counts = [h * w // d for h, w in sizes]
         text = _rows_text(hf_processor, token(hf_processor, "image_token"), counts[0], grid, counts[1:], True)
     return (local_id(hf_processor, idx, "image_token") if eff["use_image_id"] else "") + text
+
+
+@_memo_text
+def image_text(hf_processor: Any, image_processor: Any, hw: tuple[int, int], eff: Mapping[str, Any], idx: int) -> str:
+    """The text transformers' ``MiniCPMV4_6Processor`` puts in place of image ``idx`` of ``hw`` = ``(height, width)``
+    pixels processed with ``eff`` (see :func:`effective_kwargs`), ``<image_id>`` prefix included when
+    ``eff["use_image_id"]``."""
+    grid, sizes = slice_target_sizes(image_processor, hw[0], hw[1], eff)
+    return _image_text(hf_processor, grid, sizes, eff, idx)
+
+
+@_memo_text
+def image_text_of_crops(hf_processor: Any, image_processor: Any, shape: tuple, eff: Mapping[str, Any],
+                        idx: int) -> str:
+    """The text transformers' processor puts in place of image ``idx`` whose crops its image processor returned:
+    ``shape`` = ``(height, width, crop, crop, ...)``, the image's pixels then each crop's ``(height, width)`` in
+    patches, source first (what ``MiniCPMOcrProcessor.replace_image_token`` reads: a crop's size there depends on the
+    pixels under ``small_image_upsize`` "never" / "adaptive"). The grid is the image processor's ``get_sliced_grid``
+    of the image's size, as its ``_preprocess`` computes it. Raises ``ValueError`` if the crops do not fill it."""
+    (height, width), crops = shape[:2], [list(c) for c in shape[2:]]
+    grid = [0, 0]
+    if eff["slice_mode"] and len(crops) > 1:
+        found = image_processor.get_sliced_grid((height, width), eff["max_slice_nums"], eff["scale_resolution"])
+        grid = [int(found[0]), int(found[1])] if found is not None else [0, 0]
+    if eff["slice_mode"] and grid[0] * grid[1] != len(crops) - 1:
+        raise ValueError(f"{len(crops) - 1} slices for a {grid[0]}x{grid[1]} grid ({width}x{height} image)")
+    return _image_text(hf_processor, grid, crops, eff, idx)
 
 
 @_memo_text

@@ -60,11 +60,11 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import INFO_CLASS, MODEL_CLASS, PROCESSOR_CLASS, V46, V47, Call, wrap
+from ._base import INFO_CLASS, MODEL_CLASS, PROCESSOR_CLASS, V46, V47, VOCR, Call, wrap
 
 NAME = "encoder_modes"
 LABEL = "per-item downsample mode in the vision encoder (mixed 4x/16x batches, 4x videos)"
-MODELS = (V46, V47)
+MODELS = (V46, V47, VOCR)  # MiniCPM-OCR inherits the 4.6 methods this fix wraps
 #: Two fixes on ``process_mm_inputs``: this one wraps outside ``mm_placeholders``'s.
 AFTER = ("mm_placeholders",)
 

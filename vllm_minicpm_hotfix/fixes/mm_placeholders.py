@@ -39,9 +39,14 @@ where ``use_image_id``. Set on vLLM's classes (``PATCHES``):
   a video's frames are sliced with the request's own ``max_slice_nums`` where it has one (vLLM pinned the video
   processor's), so tensors and text agree with transformers.
 
-It acts for MiniCPM-V 4.6 and 4.7 (``MODELS``; 4.7's classes in 0.32+ inherit every method above, and its text is
-transformers' ``MiniCPMV4_7Processor``'s, which vLLM builds for it); instances of any other subclass get vLLM's own
-behaviour (the framework's class policy). The W/H order and the layout are fixed together, as one replacement:
+It acts for MiniCPM-V 4.6, 4.7 and MiniCPM-OCR (``MODELS``; 4.7's and OCR's classes inherit every method above, and
+the text is transformers' ``MiniCPMV4_7Processor``'s / ``MiniCPMOcrProcessor``'s, which vLLM builds for them);
+instances of any other subclass get vLLM's own behaviour (the framework's class policy). Where the image processor
+sizes a crop from the pixels (OCR's ``small_image_upsize``: :data:`PIXEL_SIZED`) an image's text is laid out from the
+crops it returned for that item (vLLM's ``tgt_sizes``), as ``MiniCPMOcrProcessor.replace_image_token`` does; vLLM
+0.33's own ``MiniCPMOcrMultiModalProcessor._get_prompt_updates``, which puts a text of its own in place of each
+image's (``<image_id>`` kept under ``use_image_id: false``, the sliced grid under ``slice_mode: false``), gives way to
+the 4.6 class's (:func:`ocr_get_prompt_updates`). The W/H order and the layout are fixed together, as one replacement:
 fixing the swap alone on 0.22-0.23 uncovers the full rows/columns bug.
 ``processor_downsample_mode`` (transformers >= 5.23's required ``downsample_mode``) stays a fix of its own: this one
 passes ``downsample_mode`` to transformers itself wherever the installed signature takes it and never calls
@@ -69,11 +74,11 @@ from typing import Any
 from ..decision import State, Verdict
 from . import _mm_prompt as mp
 from . import _stand_ins
-from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, V47, Call, WeakMemo, wrap
+from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, V47, VOCR, Call, WeakMemo, on_import, wrap
 
 NAME = "mm_placeholders"
 LABEL = "image/video placeholder text (transformers' layout and kwargs)"
-MODELS = (V46, V47)
+MODELS = (V46, V47, VOCR)
 
 
 #: ``id(ctx)`` -> a weak reference to what ``ctx.get_hf_processor()`` returned, while ``ctx`` lives: vLLM's own cache of
@@ -97,6 +102,12 @@ def _native(info: Any) -> Any:
     return hf
 
 
+#: The image processor option under which a crop's size depends on the image's pixels, not only its size
+#: (transformers' ``MiniCPMOcrImageProcessor.small_image_upsize``: "never", "adaptive"): such an image's text is laid
+#: out from the crops its image processor returned, as ``MiniCPMOcrProcessor.replace_image_token`` lays it out.
+PIXEL_SIZED = "small_image_upsize"
+
+
 def image_placeholder(info: Any, image_size: Any, idx: int, explicit: dict, *, from_item: bool = True) -> str:
     """transformers' text for image ``idx`` of the current request (see :mod:`._mm_prompt`).
 
@@ -107,6 +118,12 @@ def image_placeholder(info: Any, image_size: Any, idx: int, explicit: dict, *, f
     request = mp.current()
     eff = mp.effective_kwargs(ip, request.kwargs if request else None, explicit)
     hw = (mp.image_item_hw(request, idx) if from_item else None) or (int(image_size.height), int(image_size.width))
+    crops = mp.image_item_crops(request, idx) if from_item and hasattr(ip, PIXEL_SIZED) else None
+    if crops:  # sized from its pixels: the crops transformers' image processor returned for this item
+        try:
+            return mp.image_text_of_crops(hf, ip, (*hw, *crops), eff, idx)
+        except ValueError:  # vLLM and transformers disagree on the item: placeholder_guard's to refuse
+            pass
     return mp.image_text(hf, ip, hw, eff, idx)
 
 
@@ -157,7 +174,7 @@ def get_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
     out_mm_kwargs) -> Sequence[PromptUpdate]``: vLLM's own updates, each callable ``replacement`` run with
     :data:`._mm_prompt.REQUEST` set to this call's items and kwargs."""
     updates = wrapped(*call.args, **call.kwargs)
-    request = mp.Request(call.get("mm_items"), dict(call.get("hf_processor_mm_kwargs") or {}))
+    request = mp.Request(call.get("mm_items"), dict(call.get("hf_processor_mm_kwargs") or {}), call.get("out_mm_kwargs"))
     out = []
     for update in updates:
         replacement = getattr(update, "replacement", None)
@@ -211,8 +228,25 @@ def get_video_prompt_texts(wrapped: Any, instance: Any, call: Call) -> str:
                              explicit)
 
 
+def ocr_get_prompt_updates(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Instead of vLLM 0.33's ``MiniCPMOcrMultiModalProcessor._get_prompt_updates(self, mm_items,
+    hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptUpdate]``: the 4.6 class's (this fix's
+    :func:`get_prompt_updates`), whose image text is transformers' laid out from the item's crops. vLLM's override
+    puts a text of its own in place of each image's (also from the crops) that keeps ``<image_id>`` under
+    ``use_image_id: false`` and the sliced layout under ``slice_mode: false``."""
+    base = next((c for c in type(instance).__mro__ if c.__name__ == PROCESSOR_CLASS), None)
+    if base is None:
+        return wrapped(*args, **kwargs)
+    return base._get_prompt_updates(instance, *args, **kwargs)
+
+
+#: vLLM 0.33's own MiniCPM-OCR multimodal processor (``vllm/model_executor/models/minicpm_ocr.py``).
+OCR_PROCESSOR = "vllm.model_executor.models.minicpm_ocr:MiniCPMOcrMultiModalProcessor"
+
 PATCHES = {
     f"{PROCESSOR_CLASS}._get_prompt_updates": wrap(get_prompt_updates, bind=True),
+    f"{OCR_PROCESSOR}._get_prompt_updates": on_import(lambda old, owner: wrap(ocr_get_prompt_updates)
+                                                      if "_get_prompt_updates" in vars(owner) else None),
     f"{INFO_CLASS}.get_slice_image_placeholder": wrap(get_slice_image_placeholder, bind=True),
     f"{INFO_CLASS}.get_num_image_tokens": wrap(get_num_image_tokens, bind=True),
     f"{PROCESSOR_CLASS}.get_video_prompt_texts": wrap(get_video_prompt_texts, bind=True),

@@ -56,12 +56,12 @@ from types import MethodType, ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import V46, V47, wrap
+from ._base import V46, V47, VOCR, wrap
 from .qkv_loader import (ATTN_CLASS, FUSED, MODEL_CLASS, PROBE_NAMES, QKVLoadError, _stand_in_model, attn_class_of,
                          recognise_layout)
 
 NAME = "qkv_completeness_guard"
-MODELS = (V46, V47)
+MODELS = (V46, V47, VOCR)  # MiniCPM-OCR's load_weights is 4.6's, its window attention 4.6's class
 LABEL = "vit_merger q/k/v completeness guard"
 #: Its probe reads whether the q/k/v loader (which checks completeness itself) is applied, and it wraps outside the
 #: loader's ``load_weights``.

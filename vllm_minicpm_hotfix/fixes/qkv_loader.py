@@ -47,10 +47,10 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import ATTN_CLASS, EVERY_CALL, MODEL_CLASS, V46, V47, replace, wrap
+from ._base import ATTN_CLASS, EVERY_CALL, MODEL_CLASS, V46, V47, VOCR, replace, wrap
 
 NAME = "qkv_loader"
-MODELS = (V46, V47)
+MODELS = (V46, V47, VOCR)  # MiniCPM-OCR's model is 4.6's: its load_weights and its window attention
 LABEL = "vit_merger q/k/v loader"
 
 #: Checkpoint module name -> ``QKVParallelLinear`` shard id.
