@@ -77,6 +77,10 @@ class Binding:
         self.fewest = max(required_at, default=0) if self.required <= set(self.positional) else None
 
     def bind(self, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.arguments(args, kwargs)
+
+    def arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """:meth:`bind` of ``args`` and ``kwargs`` as a wrapper received them (no repacking of the call)."""
         if not self.simple:
             return dict(self.signature.bind(*args, **kwargs).arguments)
         if not kwargs and self.fewest is not None and self.fewest <= len(args) <= len(self.positional):
@@ -84,10 +88,12 @@ class Binding:
         if len(args) > len(self.positional):
             raise TypeError(f"{self.qualname}: too many positional arguments")
         out = dict(zip(self.positional, args))
-        for key, value in kwargs.items():
-            if key not in self.names or key in out:
+        if kwargs:
+            # vLLM passes most arguments by name: two set comparisons, and the loop only to name a bad key
+            if not (kwargs.keys() <= self.names and out.keys().isdisjoint(kwargs)):
+                key = next(k for k in kwargs if k not in self.names or k in out)
                 raise TypeError(f"{self.qualname}: unexpected or repeated argument {key!r}")
-            out[key] = value
+            out.update(kwargs)
         if not self.required <= out.keys():
             raise TypeError(f"{self.qualname}: missing {sorted(self.required - out.keys())}")
         return out
@@ -261,7 +267,7 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
         if binding is None:
             return behaviour(wrapped, instance, rest, kwargs)
         try:
-            arguments = binding.bind(*args, **kwargs)
+            arguments = binding.arguments(args, kwargs)
         except TypeError:
             return own(args, kwargs)
         return behaviour(wrapped, instance, Call(rest, kwargs, arguments, binding, method))
@@ -290,7 +296,7 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
             if binding is None:
                 return behaviour(wrapped, instance, rest, kwargs)
             try:
-                arguments = binding.bind(*args, **kwargs)
+                arguments = binding.arguments(args, kwargs)
             except TypeError:
                 return own(args, kwargs)
             return behaviour(wrapped, instance, Call(rest, kwargs, arguments, binding, method))
