@@ -122,10 +122,23 @@ def _items_of(items: Any, modality: str) -> Any:
     embeddings passed instead of pixels (their sizes are vLLM's to read) or when there are none."""
     try:
         batch = items.get(modality) if items is not None else None
-        from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
+        kinds = _RAW_KINDS or _raw_kinds()
     except Exception:
         return None
-    return batch if isinstance(batch, (ImageProcessorItems, VideoProcessorItems)) else None
+    return batch if isinstance(batch, kinds) else None
+
+
+#: vLLM's ``(ImageProcessorItems, VideoProcessorItems)``, once imported (an import statement per item costs more
+#: than the rest of :func:`_items_of`).
+_RAW_KINDS: tuple[type, ...] = ()
+
+
+def _raw_kinds() -> tuple[type, ...]:
+    global _RAW_KINDS
+    from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
+
+    _RAW_KINDS = (ImageProcessorItems, VideoProcessorItems)
+    return _RAW_KINDS
 
 
 def image_item_hw(request: Request | None, idx: int) -> tuple[int, int] | None:
@@ -185,10 +198,11 @@ def effective_kwargs(
     ``mm_processor_kwargs`` vLLM built it with), then the request's flat ``mm_processor_kwargs``, then the values vLLM
     resolved and passed explicitly (``downsample_mode``, 0.32+ ``max_slice_nums``); None means "not given"."""
     eff = {k: getattr(image_processor, k, d) for k, d in SIZING_DEFAULTS.items()}
-    for source in (request_kwargs or {}, explicit):
-        for key in SIZING_DEFAULTS:
-            value = source.get(key)
-            if value is not None:
+    for source in (request_kwargs, explicit):
+        if not source:
+            continue
+        for key, value in source.items():  # the few keys given, not every sizing key asked of each source
+            if value is not None and key in SIZING_DEFAULTS:
                 eff[key] = value
     eff["max_slice_nums"] = int(eff["max_slice_nums"])
     eff["scale_resolution"] = int(eff["scale_resolution"])

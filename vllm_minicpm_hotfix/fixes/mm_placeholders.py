@@ -178,7 +178,8 @@ def get_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
     out = []
     for update in updates:
         replacement = getattr(update, "replacement", None)
-        if callable(replacement) and dataclasses.is_dataclass(update):
+        # dataclasses.is_dataclass(update) for an instance, without its call: vLLM's updates are instances
+        if callable(replacement) and hasattr(type(update), "__dataclass_fields__"):
             update = _with_replacement(update, _in_request(replacement, request))
         out.append(update)
     return type(updates)(out) if isinstance(updates, (list, tuple)) else out

@@ -70,7 +70,7 @@ import functools
 import sys
 import inspect
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -114,7 +114,10 @@ def _flag(value: Any) -> bool | None:
         return None
     torch = sys.modules.get("torch")  # a tensor exists only where torch is imported
     if torch is not None and isinstance(value, torch.Tensor):
+        ndim = value.ndim
         value = value.tolist()  # one call into torch: any element true (None when empty), as below for lists
+        if ndim == 1:  # a flat list of numbers (the usual one-element flag): what the recursion below gives
+            return any(value) if value else None
     if isinstance(value, (list, tuple)):
         flags = [_flag(v) for v in value]
         flags = [f for f in flags if f is not None]
@@ -143,9 +146,11 @@ def _field(item: Any, name: str) -> Any:
     return getattr(elem, "data", elem)
 
 
-def _grid_and_flag(modality: str, item: Any, hf_config: Any) -> tuple[list[list[int]], bool] | None:
+def _grid_and_flag(modality: str, item: Any, hf_config: Any,
+                   config_of: Callable[[], Any] | None = None) -> tuple[list[list[int]], bool] | None:
     """The item's per-slice ``[h, w]`` patch grid and whether the vit_merger runs for it, or None if it is not
-    judged (an unknown modality, embeddings given directly, no ``tgt_sizes``)."""
+    judged (an unknown modality, embeddings given directly, no ``tgt_sizes``). With ``config_of``, the model config
+    is ``config_of()``, asked only for an item without a flag."""
     if modality not in FIELDS:
         return None
     sizes_field, flag_field, _, _ = FIELDS[modality]
@@ -154,12 +159,19 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any) -> tuple[list[list[
         return None
     flag = _flag(_field(item, flag_field))
     if flag is None:
-        flag = default_use_vit_merger(hf_config)
+        flag = default_use_vit_merger(hf_config if config_of is None else config_of())
+    if getattr(sizes, "ndim", None) == 2 and sizes.shape[1] == 2:  # already (slices, 2): one call into torch
+        return sizes.tolist(), flag
     return sizes.reshape(-1, 2).tolist(), flag
 
 
 def _total(grid: list[list[int]], flag: bool) -> int:
-    return sum(embeddings_per_slice(int(h), int(w), flag) for h, w in grid)
+    """The sum of :func:`embeddings_per_slice` over ``grid``, in one loop (once per item of every request)."""
+    total = 0
+    for h, w in grid:
+        h, w = int(h) // 2, int(w) // 2
+        total += (h // 2) * (w // 2) if flag else h * w
+    return total
 
 
 def _describe(modality: str, grid: list[list[int]], flag: bool) -> str:
@@ -197,19 +209,21 @@ def _arity(fn: Any) -> int:
 
 
 #: Embedding positions :func:`placeholder_embeds` counted, per (``is_embed``'s code, its closure's values, the
-#: content[, the tokenizer]). ``is_embed`` is vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_text``
+#: content, the tokenizer). ``is_embed`` is vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_text``
 #: closure, made anew per request and a pure function of its closure and its arguments, and a server sees the same
 #: few contents (one per image size and kwargs) over and over; skipped for a closure whose values are not plain data.
+#: The tokenizer is part of every key (whether ``is_embed`` takes it or not), so that a hit needs no look at
+#: ``is_embed``'s parameters.
 _EMBEDS = WeakMemo()
 
 
-def _embeds_key(is_embed: Any, full: Any, two: bool, tokenizer: Any) -> tuple[Any, ...] | None:
+def _embeds_key(is_embed: Any, full: Any, tokenizer: Any) -> tuple[Any, ...] | None:
     code = getattr(is_embed, "__code__", None)
     if code is None or type(is_embed) is not types.FunctionType:
         return None
     try:
         cells = tuple(_plain(c.cell_contents) for c in is_embed.__closure__ or ())
-        key = (code, cells, full if isinstance(full, str) else tuple(full), id(tokenizer) if two else None)
+        key = (code, cells, full if isinstance(full, str) else tuple(full), id(tokenizer))
         hash(key)
     except (TypeError, ValueError):  # an empty cell, a value that is not plain data
         return None
@@ -227,12 +241,11 @@ def _plain(value: Any) -> Any:
 
 def _count_embeds(is_embed: Any, tokenizer: Any, full: Any) -> int:
     """``int(is_embed(...).sum())`` -- vLLM's own mask over ``full`` -- computed once per distinct content."""
-    two = _arity(is_embed) >= 2
-    key = _embeds_key(is_embed, full, two, tokenizer)
-    objects = (tokenizer,) if two else ()
+    key = _embeds_key(is_embed, full, tokenizer)
+    objects = (tokenizer,)
     count = _EMBEDS.get(key, objects) if key is not None else None
     if count is None:
-        count = int((is_embed(tokenizer, full) if two else is_embed(full)).sum())
+        count = int((is_embed(tokenizer, full) if _arity(is_embed) >= 2 else is_embed(full)).sum())
         if key is not None:
             _EMBEDS.put(key, objects, count)
     return count
@@ -267,7 +280,6 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
     """
     info = processor.info
     tokenizer = None
-    hf_config = None
     for modality, items in kwargs.items():
         if modality not in FIELDS:
             continue
@@ -275,9 +287,7 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
         for pos, item in enumerate(items):
             if item is None or pos >= len(item_updates):
                 continue
-            if hf_config is None:
-                hf_config = info.get_hf_config()
-            found = _grid_and_flag(modality, item, hf_config)
+            found = _grid_and_flag(modality, item, None, info.get_hf_config)  # the config only without a flag
             if found is None:
                 continue
             expected = _total(*found)

@@ -26,7 +26,7 @@ from types import MethodType, ModuleType
 from typing import Any
 
 from ... import metrics
-from .family import covers
+from .family import _ACTIVE, covers, model_of
 
 #: ``model=SELF`` (the default): the instance a method is called on decides, by its own class.
 SELF: Any = type("SELF", (), {"__repr__": lambda self: "SELF"})()
@@ -71,17 +71,29 @@ class Binding:
         self.names = frozenset(sig.parameters)
         self.required = frozenset(p.name for p in params if p.default is p.empty)
         self.qualname = getattr(function, "__qualname__", repr(function))
+        # A call passing only positional arguments binds by a zip where it passes at least every required one (all
+        # positional) and no more than there are: the usual call of a request path, checked by two comparisons.
+        required_at = [i + 1 for i, name in enumerate(self.positional) if name in self.required]
+        self.fewest = max(required_at, default=0) if self.required <= set(self.positional) else None
 
     def bind(self, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.arguments(args, kwargs)
+
+    def arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """:meth:`bind` of ``args`` and ``kwargs`` as a wrapper received them (no repacking of the call)."""
         if not self.simple:
             return dict(self.signature.bind(*args, **kwargs).arguments)
+        if not kwargs and self.fewest is not None and self.fewest <= len(args) <= len(self.positional):
+            return dict(zip(self.positional, args))
         if len(args) > len(self.positional):
             raise TypeError(f"{self.qualname}: too many positional arguments")
         out = dict(zip(self.positional, args))
-        for key, value in kwargs.items():
-            if key not in self.names or key in out:
+        if kwargs:
+            # vLLM passes most arguments by name: two set comparisons, and the loop only to name a bad key
+            if not (kwargs.keys() <= self.names and out.keys().isdisjoint(kwargs)):
+                key = next(k for k in kwargs if k not in self.names or k in out)
                 raise TypeError(f"{self.qualname}: unexpected or repeated argument {key!r}")
-            out[key] = value
+            out.update(kwargs)
         if not self.required <= out.keys():
             raise TypeError(f"{self.qualname}: missing {sorted(self.required - out.keys())}")
         return out
@@ -105,6 +117,9 @@ class Call(Mapping):
 
     def __getitem__(self, name: str) -> Any:
         return self.arguments[name]
+
+    def get(self, name: str, default: Any = None) -> Any:  # Mapping.get's result, without its try and extra call
+        return self.arguments.get(name, default)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.arguments)
@@ -183,7 +198,7 @@ def _policy(fix: ModuleType, model: Any, method: bool) -> Callable[[Any, tuple, 
     if model is SELF:
         if not method:
             raise TypeError(f"{fix.NAME}: a module function has no instance: say model=EVERY_CALL or a resolver")
-        return lambda instance, args, kwargs: covers(fix, instance)
+        return _by_class(fix)
 
     def acts(instance: Any, args: tuple, kwargs: dict) -> bool:
         try:
@@ -191,6 +206,32 @@ def _policy(fix: ModuleType, model: Any, method: bool) -> Callable[[Any, tuple, 
         except Exception:  # noqa: BLE001 - a call the resolver cannot read: vLLM's own code
             return False
         return covers(fix, subject)
+
+    return acts
+
+
+def _by_class(fix: ModuleType, limit: int = 64) -> Callable[[Any, tuple, dict], bool]:
+    """``covers(fix, instance)``, decided once per class of a family member: every wrapped call of a request asks.
+    A decision is kept with the members it was judged against (the fix's entry in ``family._ACTIVE``, else its
+    ``MODELS``) and taken again when that object is another one (the runner applied or reverted the fix, a test set
+    ``MODELS``). A class no member owns is not kept: :func:`.family.covers` judges (and reports) it each time, as
+    does an instance that is itself a class."""
+    name = fix.NAME
+    decided: dict[type, tuple[Any, bool]] = {}
+
+    def acts(instance: Any, args: tuple, kwargs: dict) -> bool:
+        active = _ACTIVE.get(name)
+        against = active if active is not None else getattr(fix, "MODELS", None)
+        cls = type(instance)
+        hit = decided.get(cls)
+        if hit is not None and hit[0] is against:
+            return hit[1]
+        ok = covers(fix, instance)
+        if not isinstance(instance, type) and model_of(cls) is not None:
+            if len(decided) >= limit:
+                decided.clear()
+            decided[cls] = (against, ok)
+        return ok
 
     return acts
 
@@ -226,7 +267,7 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
         if binding is None:
             return behaviour(wrapped, instance, rest, kwargs)
         try:
-            arguments = binding.bind(*args, **kwargs)
+            arguments = binding.arguments(args, kwargs)
         except TypeError:
             return own(args, kwargs)
         return behaviour(wrapped, instance, Call(rest, kwargs, arguments, binding, method))
@@ -241,8 +282,24 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
         return coroutine
 
     def function(*args: Any, **kwargs: Any) -> Any:
+        # ``run``'s steps, inlined: vLLM calls this several times per request, and a frame is a measurable part.
         try:
-            return run(args, kwargs)
+            if method:
+                instance, rest = args[0], args[1:]
+            else:
+                instance, rest = None, args
+            if acts is not None and not acts(instance, rest, kwargs):
+                return own(args, kwargs)
+            if kind == "replace":
+                return behaviour(*args, **kwargs)
+            wrapped = MethodType(original, instance) if method else original
+            if binding is None:
+                return behaviour(wrapped, instance, rest, kwargs)
+            try:
+                arguments = binding.arguments(args, kwargs)
+            except TypeError:
+                return own(args, kwargs)
+            return behaviour(wrapped, instance, Call(rest, kwargs, arguments, binding, method))
         except Refusal as exc:
             return _counted(name, exc)
 
