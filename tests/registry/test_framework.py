@@ -169,7 +169,7 @@ def test_a_factory_must_hand_the_framework_a_patch():
 #: The floors, lowest first: a module may import its own floor or a lower one.
 FLOORS = (
     ("record", "decision", "_wrapt", "checkpoint", "quant_layout", "metrics"),
-    ("fixes._base", "fixes._proxies", "fixes._mm_prompt", "fixes._stand_ins"),  # the framework (with its parts)
+    ("fixes._base", "fixes._proxies", "fixes._mm_prompt", "fixes._mm_items", "fixes._stand_ins"),  # the framework (with its parts)
     ("fixes.*",),  # each fix
     ("fixes", "backports"),  # the registry; the backports (models vLLM lacks), beside it
     ("hook",),

@@ -71,8 +71,7 @@ class Binding:
         self.names = frozenset(sig.parameters)
         self.required = frozenset(p.name for p in params if p.default is p.empty)
         self.qualname = getattr(function, "__qualname__", repr(function))
-        # A call passing only positional arguments binds by a zip where it passes at least every required one (all
-        # positional) and no more than there are: the usual call of a request path, checked by two comparisons.
+        # Only positional arguments, every required one passed and no more than there are: bound by a zip.
         required_at = [i + 1 for i, name in enumerate(self.positional) if name in self.required]
         self.fewest = max(required_at, default=0) if self.required <= set(self.positional) else None
 
@@ -89,7 +88,6 @@ class Binding:
             raise TypeError(f"{self.qualname}: too many positional arguments")
         out = dict(zip(self.positional, args))
         if kwargs:
-            # vLLM passes most arguments by name: two set comparisons, and the loop only to name a bad key
             if not (kwargs.keys() <= self.names and out.keys().isdisjoint(kwargs)):
                 key = next(k for k in kwargs if k not in self.names or k in out)
                 raise TypeError(f"{self.qualname}: unexpected or repeated argument {key!r}")
@@ -211,11 +209,9 @@ def _policy(fix: ModuleType, model: Any, method: bool) -> Callable[[Any, tuple, 
 
 
 def _by_class(fix: ModuleType, limit: int = 64) -> Callable[[Any, tuple, dict], bool]:
-    """``covers(fix, instance)``, decided once per class of a family member: every wrapped call of a request asks.
-    A decision is kept with the members it was judged against (the fix's entry in ``family._ACTIVE``, else its
-    ``MODELS``) and taken again when that object is another one (the runner applied or reverted the fix, a test set
-    ``MODELS``). A class no member owns is not kept: :func:`.family.covers` judges (and reports) it each time, as
-    does an instance that is itself a class."""
+    """``covers(fix, instance)``, decided once per member class and kept with the members judged against
+    (``family._ACTIVE``'s entry, else ``MODELS``; decided again when that object changes). A class no member owns,
+    or a class as instance, is judged (and reported) by :func:`.family.covers` each time."""
     name = fix.NAME
     decided: dict[type, tuple[Any, bool]] = {}
 
@@ -281,13 +277,9 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
 
         return coroutine
 
-    def function(*args: Any, **kwargs: Any) -> Any:
-        # ``run``'s steps, inlined: vLLM calls this several times per request, and a frame is a measurable part.
+    def function(*args: Any, **kwargs: Any) -> Any:  # run's steps inlined: a frame per call is measurable
         try:
-            if method:
-                instance, rest = args[0], args[1:]
-            else:
-                instance, rest = None, args
+            instance, rest = (args[0], args[1:]) if method else (None, args)
             if acts is not None and not acts(instance, rest, kwargs):
                 return own(args, kwargs)
             if kind == "replace":
