@@ -74,7 +74,7 @@ from typing import Any
 from ..decision import State, Verdict
 from . import _mm_prompt as mp
 from . import _stand_ins
-from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, V47, VOCR, Call, WeakMemo, on_import, wrap
+from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, V47, VOCR, Call, WeakMemo, base_named, on_import, wrap
 
 NAME = "mm_placeholders"
 LABEL = "image/video placeholder text (transformers' layout and kwargs)"
@@ -235,7 +235,7 @@ def ocr_get_prompt_updates(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     :func:`get_prompt_updates`), whose image text is transformers' laid out from the item's crops. vLLM's override
     puts a text of its own in place of each image's (also from the crops) that keeps ``<image_id>`` under
     ``use_image_id: false`` and the sliced layout under ``slice_mode: false``."""
-    base = next((c for c in type(instance).__mro__ if c.__name__ == PROCESSOR_CLASS), None)
+    base = base_named(instance, PROCESSOR_CLASS)
     if base is None:
         return wrapped(*args, **kwargs)
     return base._get_prompt_updates(instance, *args, **kwargs)

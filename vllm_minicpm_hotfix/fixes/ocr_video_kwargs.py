@@ -36,7 +36,7 @@ from typing import Any
 
 from ..decision import State, Verdict
 from . import _stand_ins
-from ._base import INFO_CLASS, PROCESSOR_CLASS, VOCR, Call, on_import, wrap
+from ._base import INFO_CLASS, PROCESSOR_CLASS, VOCR, Call, base_named, on_import, wrap
 
 NAME = "ocr_video_kwargs"
 LABEL = "MiniCPM-OCR video frames (upsize options transformers takes)"
@@ -68,7 +68,7 @@ def process_videos(wrapped: Any, instance: Any, call: Call) -> Any:
     """Instead of vLLM 0.33's ``MiniCPMOcrMultiModalProcessor.process_videos(self, mm_data, mm_kwargs) ->
     Mapping[str, NestedTensors]``: the 4.6 class's with :func:`frame_kwargs` (see the module docstring). Raises what
     vLLM's 4.6 method raises."""
-    base = next((c for c in type(instance).__mro__ if c.__name__ == PROCESSOR_CLASS), None)
+    base = base_named(instance, PROCESSOR_CLASS)
     if base is None:
         return wrapped(*call.args, **call.kwargs)
     kwargs = frame_kwargs(instance.info.get_image_processor(), call.get("mm_kwargs"))
@@ -115,7 +115,7 @@ def probe(module: ModuleType) -> Verdict:
     if not isinstance(proc_cls, type) or not isinstance(info_cls, type):
         return Verdict(State.UNRECOGNISED, f"{module.__name__} lacks {PROCESSOR_CLASS} / {INFO_CLASS}",
                        applicable=False)
-    base = next((c for c in proc_cls.__mro__ if c.__name__ == PROCESSOR_CLASS), proc_cls)
+    base = base_named(proc_cls, PROCESSOR_CLASS) or proc_cls
     if getattr(proc_cls, "process_videos", None) is getattr(base, "process_videos", None):
         return Verdict(State.CORRECT, f"{proc_cls.__name__} processes videos with 4.6's process_videos: nothing to "
                                       "correct", applicable=False)

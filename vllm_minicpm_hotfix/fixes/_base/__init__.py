@@ -36,7 +36,7 @@ from . import deferred, patching
 from .deciding import decide_and_apply, unknown_subclasses
 from .family import (
     ATTN_CLASS, DEFAULT_MODELS, FAMILY, INFO_CLASS, MODEL_CLASS, PROCESSOR_CLASS, V46, V47, V47_MODEL_CLASS, VOCR,
-    V47_MODULE, _ACTIVE, _import_member, class_name, covers, imported_member, initialising, mark_complete, member_modules, member_reason, member_view,
+    V47_MODULE, _ACTIVE, _import_member, base_named, class_name, covers, imported_member, initialising, mark_complete, member_modules, member_reason, member_view,
     model_of, models_of, note_unknown,
 )
 from .patching import (
@@ -51,7 +51,7 @@ from .wrappers import (
 __all__ = [
     "ATTN_CLASS", "BEHAVIOUR_ATTR", "Binding", "Call", "DEFAULT_MODELS", "EVERY_CALL", "FAMILY", "INFO_CLASS",
     "MARKER_ATTR", "MODEL_CLASS", "OnImport", "PROCESSOR_CLASS", "Patch", "Refusal", "SELF", "V46", "V47",
-    "V47_MODEL_CLASS", "V47_MODULE", "VOCR", "WeakMemo", "apply_patches", "attribute", "binder", "class_name", "complete", "covers", "decide_and_apply", "deferred", "has_set",
+    "V47_MODEL_CLASS", "V47_MODULE", "VOCR", "WeakMemo", "apply_patches", "attribute", "base_named", "binder", "class_name", "complete", "covers", "decide_and_apply", "deferred", "has_set",
     "imported_member", "initialising", "is_patched", "mark_complete", "member_modules", "member_reason", "member_view",
     "model_of", "models_of", "note_unknown", "on_import", "patched_by", "replace", "resolve", "revert", "revert_fix",
     "run", "set_attributes", "shared_targets", "unknown_subclasses", "wrap", "wraps_of",

@@ -50,6 +50,13 @@ def model_of(obj: Any) -> str | None:
     return FAMILY.get(getattr(cls, "__module__", ""))
 
 
+def base_named(obj: Any, name: str) -> type | None:
+    """The class called ``name`` (a vLLM 4.6 class, e.g. :data:`PROCESSOR_CLASS`) among the ancestors of ``obj`` (an
+    instance or a class, itself included), nearest first; None if it has none."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return next((c for c in cls.__mro__ if c.__name__ == name), None)
+
+
 def models_of(fix: ModuleType) -> tuple[str, ...]:
     """The family members ``fix`` declares (its ``MODELS``; :data:`DEFAULT_MODELS` if it declares none)."""
     return tuple(getattr(fix, "MODELS", DEFAULT_MODELS))

@@ -277,21 +277,9 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
 
         return coroutine
 
-    def function(*args: Any, **kwargs: Any) -> Any:  # run's steps inlined: a frame per call is measurable
+    def function(*args: Any, **kwargs: Any) -> Any:
         try:
-            instance, rest = (args[0], args[1:]) if method else (None, args)
-            if acts is not None and not acts(instance, rest, kwargs):
-                return own(args, kwargs)
-            if kind == "replace":
-                return behaviour(*args, **kwargs)
-            wrapped = MethodType(original, instance) if method else original
-            if binding is None:
-                return behaviour(wrapped, instance, rest, kwargs)
-            try:
-                arguments = binding.arguments(args, kwargs)
-            except TypeError:
-                return own(args, kwargs)
-            return behaviour(wrapped, instance, Call(rest, kwargs, arguments, binding, method))
+            return run(args, kwargs)
         except Refusal as exc:
             return _counted(name, exc)
 
