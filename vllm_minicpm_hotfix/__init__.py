@@ -61,9 +61,15 @@ def status() -> dict:
     """This process's record: ``pid``, ``mode``, ``hook_installed``, ``module_imported``, ``vllm_version`` and, once
     vLLM has imported the model module, every fix of :data:`vllm_minicpm_hotfix.fixes.REGISTRY` by ``NAME`` with its
     ``verdict``, ``reason``, ``applied``, ``why``, ``error``, ``label`` and ``first_use`` (probed at the first use
-    of its code path; ``verdict`` is ``"deferred"`` until then); once vLLM has imported its model registry, every
+    of its code path; ``verdict`` is ``"deferred"`` until then; the processor path's fixes, if they still wait, are
+    probed and decided by this call, as vLLM's first processor would); once vLLM has imported its model registry, every
     backport of :data:`vllm_minicpm_hotfix.backports.BACKPORTS` under ``backports`` by ``NAME`` with its ``member``,
     ``verdict`` (``missing`` / ``correct`` / ...), ``reason``, ``registered``, ``why`` and ``error``."""
+    import sys
+
     from .record import current
 
+    deferred = sys.modules.get(__name__ + ".fixes._base.deferred")
+    if deferred is not None:  # the processor-path probes, if they still wait: probed now, as their first use would
+        deferred.resolve_group()
     return current().as_dict()

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 from types import ModuleType
 
-from .record import FixStatus, current, installed_vllm_version, log_summary, logger, summary_line
+from .record import FixStatus, current, installed_vllm_version, log_summary, logger, summary_line, summary_logged
 
 TARGET_MODULE = "vllm.model_executor.models.minicpmv4_6"
 #: vLLM's model registry module (``ModelRegistry``): the backports (:mod:`vllm_minicpm_hotfix.backports`) register
@@ -55,7 +55,8 @@ def on_import(module: ModuleType) -> None:
     try:
         # The members every fix was just probed for: those whose model module vLLM has finished importing.
         status.models = list(_base.member_modules(module, imported_only=True))
-        log_summary(status, [fix.NAME for fix in REGISTRY])
+        if not _base.deferred.hold_summary([fix.NAME for fix in REGISTRY]):  # else written when the group is probed
+            log_summary(status, [fix.NAME for fix in REGISTRY])
     except Exception as exc:  # noqa: BLE001 - pragma: no cover - the summary itself broken
         logger.warning("vllm-minicpm-hotfix: the summary line failed: %s\n%s", exc, traceback.format_exc())
 
@@ -84,7 +85,7 @@ def on_member_import(member_module: ModuleType) -> None:
         if ran:
             _base.revert()
         on_import(target)
-        if ran:
+        if ran and summary_logged():  # a line still held is written later, with every member
             line = summary_line(current(), [fix.NAME for fix in REGISTRY])
             logger.warning("vllm-minicpm-hotfix: %s imported in pid %d after the summary line; every fix re-run for %s: "
                            "%s", member, status.pid, ", ".join(current().models),

@@ -222,7 +222,8 @@ def summary_line(status: Status, registry: list[str]) -> str:
     (:mod:`vllm_minicpm_hotfix.backports`) with something to say follows as ``; MEMBER: what`` (``; MiniCPM-V 4.7:
     registered by the hotfix``, ``; MiniCPM-V 4.7: vLLM's own``; :func:`backport_says`), at most 45 characters. A fix
     whose probe waits for the first use of its code path (``fixes._base.deferred``) is not listed until then (``status()``
-    and ``doctor`` say "probed at first use"). Each fix's reason is an INFO line
+    and ``doctor`` say "probed at first use"); while the processor path's group waits, the hook holds the line and
+    the group writes it once probed (vLLM's first processing info), so it names them. Each fix's reason is an INFO line
     (``VLLM_LOGGING_LEVEL=INFO``); :data:`SUMMARY_PATTERN` parses the line. Pure: reads ``status`` only.
     """
     fixes = status.fixes
@@ -247,6 +248,11 @@ def summary_line(status: Status, registry: list[str]) -> str:
         models = "no MiniCPM-V model"
     return (f"{SUMMARY_PREFIX}{models}, vLLM {status.vllm_version}, mode {status.mode}, pid {status.pid}: patched "
             f"{len(applied)}/{len(registry)} ({names}){rest}; details: vllm-minicpm-hotfix doctor")
+
+
+def summary_logged() -> bool:
+    """Whether this process has logged its summary line (:func:`log_summary`)."""
+    return getattr(logger, "_vllm_minicpm_hotfix_summary_pid", None) == os.getpid()
 
 
 def log_summary(status: Status, registry: list[str]) -> bool:

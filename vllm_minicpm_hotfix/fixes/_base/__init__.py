@@ -43,6 +43,7 @@ from .patching import (
     MARKER_ATTR, _MISSING, OnImport, apply_patches, complete, has_set, is_patched, on_import, patched_by, resolve,
     revert, revert_fix, set_attributes, shared_targets, wraps_of,
 )
+from .deferred import PROCESSOR_PATH
 from .running import run
 from .wrappers import (
     BEHAVIOUR_ATTR, EVERY_CALL, SELF, Binding, Call, Patch, Refusal, WeakMemo, attribute, binder, replace, wrap,
@@ -50,7 +51,7 @@ from .wrappers import (
 
 __all__ = [
     "ATTN_CLASS", "BEHAVIOUR_ATTR", "Binding", "Call", "DEFAULT_MODELS", "EVERY_CALL", "FAMILY", "INFO_CLASS",
-    "MARKER_ATTR", "MODEL_CLASS", "OnImport", "PROCESSOR_CLASS", "Patch", "Refusal", "SELF", "V46", "V47",
+    "MARKER_ATTR", "MODEL_CLASS", "OnImport", "PROCESSOR_PATH", "PROCESSOR_CLASS", "Patch", "Refusal", "SELF", "V46", "V47",
     "V47_MODEL_CLASS", "V47_MODULE", "VOCR", "WeakMemo", "apply_patches", "attribute", "base_named", "binder", "class_name", "complete", "covers", "decide_and_apply", "deferred", "has_set",
     "imported_member", "initialising", "is_patched", "mark_complete", "member_modules", "member_reason", "member_view",
     "model_of", "models_of", "note_unknown", "on_import", "patched_by", "replace", "resolve", "revert", "revert_fix",

@@ -16,6 +16,16 @@ chooses as it would have at import, the fix is applied or not, the status entry 
 is written -- and the call goes on to the function now in place (the fix's, or vLLM's). A failure in the probe or
 ``apply`` is logged and recorded, and the call runs vLLM's own code (never an exception from the hotfix).
 
+A fix may instead join a :class:`Group` (``DEFER_AT = PROCESSOR_PATH``): the fixes of vLLM's multimodal processor,
+whose probes import transformers' MiniCPM-V processor modules (2-3 ms each, which vLLM imports itself when it first
+builds its processor). They wait together for the first call of any of the group's triggers (the construction of
+vLLM's processing info; the model's ``embed_multimodal``), of ``status()``, or of :func:`resolve_all`; then
+:func:`resolve_group` probes and applies them in registry order, exactly as the hook would have at import -- every fix
+before them in the registry already decided, none after them (none after them touches what they touch) -- and
+writes the hook's summary line, which the hook holds (:func:`hold_summary`) while the group waits: still one WARNING
+line per process, naming every fix applied. Every processor-path target needs a processing info or a model
+instance, so no group target runs before the group is resolved.
+
 ``VLLM_MINICPM_HOTFIX_PROBES=eager`` (or :data:`EAGER` set true) probes every fix at import as before (the tests that
 pin each fix's verdict use it); :func:`resolve_all` resolves every pending fix now (``doctor``'s child, which must
 judge them all).
@@ -28,12 +38,13 @@ import os
 import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from ... import decision
-from ...record import FixStatus, current, installed_vllm_version, logger
+from ...record import FixStatus, current, installed_vllm_version, log_summary, logger
 from .deciding import decide_and_apply
-from .patching import has_set, resolve as resolve_target, revert_fix, set_attributes
+from .family import INFO_CLASS, MODEL_CLASS
+from .patching import has_set, is_patched, resolve as resolve_target, revert_fix, set_attributes
 
 #: ``VLLM_MINICPM_HOTFIX_PROBES``: ``eager`` probes every fix at import; anything else (default ``lazy``) defers.
 ENV_VAR = "VLLM_MINICPM_HOTFIX_PROBES"
@@ -50,11 +61,32 @@ _LOCK = threading.RLock()
 _PENDING: dict[str, tuple[ModuleType, ModuleType]] = {}
 
 
+class Group(NamedTuple):
+    """Fixes probed together at the first call of any of ``triggers`` (``"Class.attr"`` in the model module)."""
+
+    name: str  #: the key its triggers are recorded under (never a fix's NAME)
+    triggers: tuple[str, ...]
+    path: str  #: what the first use is, in words ("the first ... that ...")
+
+
+#: The fixes of vLLM's multimodal processor: probed when vLLM first builds its processing info (API server, EngineCore,
+#: worker: each builds one before processing or embedding a multimodal input) or first embeds one.
+PROCESSOR_PATH = Group("processor path", (f"{INFO_CLASS}.__init__", f"{MODEL_CLASS}.embed_multimodal"),
+                       "processing info or multimodal embedding vLLM builds")
+
+#: The fixes waiting for :data:`PROCESSOR_PATH`, in registry order, with their model module; and the summary line the
+#: hook holds until they are resolved (the registry's NAMEs), if it holds one.
+_GROUP: list[tuple[ModuleType, ModuleType]] = []
+_HELD: list[list[str]] = []
+
+
 def enabled(fix: ModuleType) -> bool:
-    """Whether ``fix`` is deferred in this process: it declares ``DEFER_AT`` and probes are not eager."""
+    """Whether ``fix`` is deferred in this process: it declares ``DEFER_AT`` (a target with ``uses_path``, or a
+    :class:`Group`) and probes are not eager."""
     if EAGER or os.environ.get(ENV_VAR, "").strip().lower() == "eager":
         return False
-    return bool(getattr(fix, "DEFER_AT", None)) and callable(getattr(fix, "uses_path", None))
+    at = getattr(fix, "DEFER_AT", None)
+    return isinstance(at, Group) or (bool(at) and callable(getattr(fix, "uses_path", None)))
 
 
 def is_trigger(value: Any) -> bool:
@@ -64,7 +96,97 @@ def is_trigger(value: Any) -> bool:
 
 def pending(name: str) -> bool:
     """Whether the fix ``name`` is deferred and its probe has not run yet in this process (its trigger in place)."""
-    return name in _PENDING and has_set(name)
+    if name in _PENDING:
+        return has_set(name)
+    return has_set(PROCESSOR_PATH.name) and any(fix.NAME == name for fix, _ in _GROUP)
+
+
+def hold_summary(registry: list[str]) -> bool:
+    """The hook's summary line: held (True) while a group waits, to be written when it is resolved; False if
+    nothing waits (the hook writes it now)."""
+    with _LOCK:
+        if _GROUP and has_set(PROCESSOR_PATH.name):
+            _HELD[:] = [list(registry)]
+            return True
+        _HELD.clear()
+        return False
+
+
+def defer_group(fix: ModuleType, module: ModuleType, mode: decision.Mode) -> FixStatus | None:
+    """Add ``fix`` to its group (``fix.DEFER_AT``), setting the group's triggers on ``module`` first if they are not
+    in place; None (the caller probes at once) if a trigger target is not there, or another copy of the package holds
+    a trigger there (that copy decides; this one probes now and the other then finds the fix applied)."""
+    group: Group = fix.DEFER_AT
+    with _LOCK:
+        if not has_set(group.name):
+            found = [resolve_target(module, t) for t in group.triggers]
+            if any(f is None or is_trigger(f[0].__dict__.get(f[1])) for f in found):
+                return None
+            _GROUP.clear()
+            set_attributes(group.name, [(owner, attr, _group_trigger(owner, attr)) for owner, attr in found])
+        if any(f is fix for f, _ in _GROUP):  # the hook run again in this process while the group waits
+            return current().fixes.get(fix.NAME)
+        _GROUP.append((fix, module))
+    entry = FixStatus(fix.NAME, PENDING, f"{FIRST_USE}: the first {group.path}", False,
+                      f"{FIRST_USE} (mode {mode.value})", label=fix.LABEL, first_use=True)
+    current().fixes[fix.NAME] = entry
+    return entry
+
+
+def _group_trigger(owner: Any, attr: str) -> Callable[[Callable], Callable]:
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def trigger(*args: Any, **kwargs: Any) -> Any:
+            resolve_group()  # a no-op once resolved; a second thread waits here for the first one's decisions
+            now = owner.__dict__.get(attr)
+            if now is None or is_trigger(now):  # nothing of a fix there now: vLLM's own (inherited or defined)
+                return original(*args, **kwargs)
+            return now(*args, **kwargs)  # a fix's function
+
+        trigger.__wrapped__ = original
+        setattr(trigger, TRIGGER_ATTR, PROCESSOR_PATH.name)
+        return trigger
+
+    return make
+
+
+def resolve_group() -> list[FixStatus]:
+    """Probe and apply every fix waiting for :data:`PROCESSOR_PATH`, in registry order, as the hook would have at
+    import (the triggers removed first, so the probes see vLLM's classes as the earlier fixes left them), then write
+    the summary line the hook held. Returns their status entries (none if nothing waits). Never raises: a fix that
+    fails is recorded and logged as the hook records it, and left unapplied."""
+    with _LOCK:
+        if not _GROUP or not has_set(PROCESSOR_PATH.name):
+            _GROUP.clear()
+            return []
+        waiting = list(_GROUP)
+        _GROUP.clear()
+        revert_fix(PROCESSOR_PATH.name)
+        status, out = current(), []
+        for fix, module in waiting:
+            entry = status.fixes.get(fix.NAME) or FixStatus(fix.NAME, PENDING, "", False, "", label=fix.LABEL)
+            entry.first_use = True
+            status.fixes[fix.NAME] = entry
+            try:
+                if is_patched(fix, module):  # another copy of the package applied it meanwhile
+                    entry.applied, entry.why = True, "already patched in this process"
+                else:
+                    decide_and_apply(fix, module, decision.Mode(status.mode), entry)
+            except Exception as exc:  # noqa: BLE001 - a failure here must not break vLLM's processing
+                revert_fix(fix.NAME)
+                entry.verdict, entry.applied, entry.why = "error", False, "hook failed at first use; vLLM left as it was"
+                entry.error = f"{type(exc).__name__}: {exc}"
+                logger.warning("vllm-minicpm-hotfix: %s failed at first use (%s), vLLM left unpatched: %s", fix.NAME,
+                               fix.LABEL, exc, exc_info=True)  # fmt: skip
+            out.append(entry)
+        held = _HELD[:1]
+        _HELD.clear()
+    if held:
+        try:
+            log_summary(status, held[0])
+        except Exception as exc:  # noqa: BLE001 - pragma: no cover - the summary itself broken
+            logger.warning("vllm-minicpm-hotfix: the summary line failed: %s", exc)
+    return out
 
 
 def defer(fix: ModuleType, module: ModuleType, mode: decision.Mode) -> FixStatus | None:
@@ -142,8 +264,9 @@ def resolve(name: str) -> FixStatus | None:
 
 
 def resolve_all() -> dict[str, FixStatus]:
-    """Resolve every pending fix now (``doctor``'s child). Returns ``{NAME: entry}`` of those resolved."""
-    out = {}
+    """Resolve every pending fix now (``doctor``'s child), the group first. Returns ``{NAME: entry}`` of those
+    resolved."""
+    out = {entry.name: entry for entry in resolve_group()}
     for name in list(_PENDING):
         entry = resolve(name)
         if entry is not None:

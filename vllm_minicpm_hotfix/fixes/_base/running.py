@@ -56,7 +56,8 @@ def _run(fix: ModuleType, module: ModuleType, status: Any) -> FixStatus:
         return entry
     mode = decision.Mode(status.mode)
     if mode is not decision.Mode.OFF and deferred.enabled(fix):
-        entry = deferred.defer(fix, module, mode)
+        group = isinstance(fix.DEFER_AT, deferred.Group)
+        entry = (deferred.defer_group if group else deferred.defer)(fix, module, mode)
         if entry is not None:
             for member in family.member_modules(module, imported_only=True):
                 entry.models[member] = pending_row(fix, member, entry)
