@@ -60,11 +60,12 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import INFO_CLASS, MODEL_CLASS, PROCESSOR_CLASS, V46, V47, VOCR, Call, wrap
+from ._base import INFO_CLASS, MODEL_CLASS, PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, wrap
 
 NAME = "encoder_modes"
 LABEL = "per-item downsample mode in the vision encoder (mixed 4x/16x batches, 4x videos)"
 MODELS = (V46, V47, VOCR)  # MiniCPM-OCR inherits the 4.6 methods this fix wraps
+DEFER_AT = PROCESSOR_PATH  # probed with vLLM's processor, at its first use
 #: Two fixes on ``process_mm_inputs``: this one wraps outside ``mm_placeholders``'s.
 AFTER = ("mm_placeholders",)
 

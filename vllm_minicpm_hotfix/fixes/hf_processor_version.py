@@ -31,11 +31,12 @@ from typing import Any
 
 from ..decision import State, Verdict
 from . import _stand_ins
-from ._base import INFO_CLASS, V46, V47, replace
+from ._base import INFO_CLASS, PROCESSOR_PATH, V46, V47, replace
 
 NAME = "hf_processor_version"
 LABEL = "4.6 processor (no legacy MiniCPMVProcessor wrapper)"
 MODELS = (V46, V47)
+DEFER_AT = PROCESSOR_PATH  # probed with vLLM's processor, at its first use
 
 
 def get_hf_processor(self: Any, **kwargs: object) -> Any:

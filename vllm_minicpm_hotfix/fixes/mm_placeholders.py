@@ -74,11 +74,14 @@ from typing import Any
 from ..decision import State, Verdict
 from . import _mm_prompt as mp
 from . import _stand_ins
-from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, V47, VOCR, Call, WeakMemo, base_named, on_import, wrap
+from ._base import (
+    INFO_CLASS, PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, WeakMemo, base_named, on_import, wrap,
+)
 
 NAME = "mm_placeholders"
 LABEL = "image/video placeholder text (transformers' layout and kwargs)"
 MODELS = (V46, V47, VOCR)
+DEFER_AT = PROCESSOR_PATH  # probed with vLLM's processor, at its first use
 
 
 #: ``id(ctx)`` -> a weak reference to what ``ctx.get_hf_processor()`` returned, while ``ctx`` lives: vLLM's own cache of

@@ -36,11 +36,12 @@ from typing import Any
 
 from ..decision import State, Verdict
 from . import _stand_ins
-from ._base import INFO_CLASS, PROCESSOR_CLASS, VOCR, Call, base_named, on_import, wrap
+from ._base import INFO_CLASS, PROCESSOR_CLASS, PROCESSOR_PATH, VOCR, Call, base_named, on_import, wrap
 
 NAME = "ocr_video_kwargs"
 LABEL = "MiniCPM-OCR video frames (upsize options transformers takes)"
 MODELS = (VOCR,)
+DEFER_AT = PROCESSOR_PATH  # probed with vLLM's processor, at its first use
 
 #: vLLM 0.33's names of MiniCPM-OCR's upsize options (``minicpm_ocr.py``), which no released transformers takes.
 VLLM_NAMES = frozenset({

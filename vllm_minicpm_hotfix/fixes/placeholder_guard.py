@@ -75,12 +75,13 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import PROCESSOR_CLASS, V46, V47, VOCR, Call, Refusal, WeakMemo, model_of, wrap
+from ._base import PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, Refusal, WeakMemo, model_of, wrap
 
 NAME = "placeholder_guard"
 #: MiniCPM-OCR's processors (the backport's, vLLM 0.33's) inherit both hooked methods and its model 4.6's
 #: get_vision_hidden_states: the same per-slice count, its "4x" default read from the item's flag or the config.
 MODELS = (V46, V47, VOCR)
+DEFER_AT = PROCESSOR_PATH  # probed with vLLM's processor, at its first use
 LABEL = "placeholder/embedding count guard (HTTP 400 instead of a dead engine)"
 
 #: modality -> (field with the per-slice (h, w) patch grid, field with the item's vit_merger flag, pad token attr,

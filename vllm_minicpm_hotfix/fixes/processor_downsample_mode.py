@@ -69,11 +69,12 @@ from typing import Any
 
 from .. import decision
 from ..decision import Verdict
-from ._base import INFO_CLASS, V46, V47, VOCR, Call, on_import, wrap
+from ._base import INFO_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, on_import, wrap
 
 NAME = "processor_downsample_mode"
 LABEL = "image placeholder count (downsample_mode)"
 MODELS = (V46, V47, VOCR)  # vLLM 0.33's own MiniCPM-OCR body omits the mode as 4.6's does
+DEFER_AT = PROCESSOR_PATH  # probed with vLLM's processor, at its first use
 METHOD = "_compute_visual_tokens"
 #: transformers' image-processor methods vLLM calls without the mode.
 TARGETS = ("find_best_resize", "get_refine_size")

@@ -69,7 +69,9 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import EVERY_CALL, PROCESSOR_CLASS, V46, V47, VOCR, Call, Refusal, model_of, on_import, wrap
+from ._base import (
+    EVERY_CALL, PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, Refusal, model_of, on_import, wrap,
+)
 from . import _mm_prompt as mp
 
 NAME = "request_kwargs"
@@ -77,6 +79,7 @@ LABEL = "request mm_processor_kwargs validation and per-item budget (HTTP 400 be
 BUDGET_MODULE = "vllm.multimodal.encoder_budget"
 BUDGET_TARGET = f"{BUDGET_MODULE}:compute_mm_encoder_budget"
 MODELS = (V46, V47, VOCR)  # MiniCPM-OCR's processors (the backport's, vLLM 0.33's) inherit 4.6's apply
+DEFER_AT = PROCESSOR_PATH  # probed with vLLM's processor, at its first use
 #: Its budget reads transformers' sizing as the prompt fixes leave it.
 AFTER = ("processor_downsample_mode", "mm_placeholders")
 

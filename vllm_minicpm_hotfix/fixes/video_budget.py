@@ -39,11 +39,12 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import INFO_CLASS, V46, V47, VOCR, Call, wrap
+from ._base import INFO_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, wrap
 
 NAME = "video_budget"
 LABEL = "video encoder budget (frames profiled = frames loaded)"
 MODELS = (V46, V47, VOCR)  # MiniCPM-OCR inherits the 4.6 methods this fix sets
+DEFER_AT = PROCESSOR_PATH  # probed with vLLM's processor, at its first use
 METHOD = "get_num_frames_with_most_features"
 
 PROBE_SEQ_LEN = 100_000

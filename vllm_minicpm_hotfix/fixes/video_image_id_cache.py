@@ -34,13 +34,14 @@ from typing import Any
 from ..decision import State, Verdict
 from . import _mm_prompt as mp
 from . import _stand_ins
-from ._base import INFO_CLASS, PROCESSOR_CLASS, V46, Call, wrap
+from ._base import INFO_CLASS, PROCESSOR_CLASS, PROCESSOR_PATH, V46, Call, wrap
 
 NAME = "video_image_id_cache"
 LABEL = "cached video <image_id> index"
 #: 4.6 only: 4.7's videos carry no local id (``MiniCPMV4_7Processor._prepend_local_ids`` returns them unchanged,
 #: vLLM's ``MiniCPMV4_7MultiModalProcessor._video_local_id_prefix`` is ""), so there is no index to renumber.
 MODELS = (V46,)
+DEFER_AT = PROCESSOR_PATH  # probed with vLLM's processor, at its first use
 
 
 def _text_of(tokenizer: Any, full: Any) -> str:
