@@ -314,7 +314,7 @@ def test_wrong_kwarg_is_refused(server):
 
 def test_one_warning_line_per_process(server):
     """The operator's log: exactly one WARNING line of the hotfix in each process vLLM names in its log (API server,
-    EngineCore, worker), naming that pid, each under :data:`MAX_LINE` characters besides its backports' parts (each at
+    EngineCore, worker), naming that pid, written before the server is ready, each under :data:`MAX_LINE` characters besides its backports' parts (each at
     most :data:`MAX_BACKPORT_PART`). A line is the process's by vLLM's
     own ``(NAME pid=N)`` prefix; a line printed before vLLM prefixes the process's output is the pid it names."""
     ask(server, picture())  # every process has seen a request
@@ -335,8 +335,11 @@ def test_one_warning_line_per_process(server):
     assert not missing, f"no hotfix WARNING line from {missing}: {counts}"
     assert set(lines) <= set(processes), f"lines from processes vLLM does not name: {set(lines) - set(processes)}"
     assert all(len(msgs) == 1 for msgs in lines.values()), f"more than one WARNING line per process: {counts}"
+    ready = log.find("Application startup complete")  # the processor path's probes ran before: vLLM's start-up
+    assert ready > 0, "no 'Application startup complete' in the log"  # builds its processor in every process
     for pid, (msg,) in lines.items():
         assert re.search(rf"\bpid {pid}\b", msg), f"{processes[pid]} pid={pid} logs another pid: {msg}"
+        assert log.find(msg) < ready, f"{processes[pid]} pid={pid} wrote its line after the server was ready: {msg}"
         backport_parts = [f"; {part}" for part in msg.split("; ")[1:] if part.startswith("MiniCPM-")]
         assert all(len(part) <= MAX_BACKPORT_PART for part in backport_parts), (backport_parts, msg)
         fixes_part = len(msg) - sum(map(len, backport_parts))

@@ -7,6 +7,7 @@ bundled tiny checkpoint: :mod:`support.engine`).
 from __future__ import annotations
 
 import pytest
+import vllm_minicpm_hotfix
 from vllm_minicpm_hotfix import hook, record
 from vllm_minicpm_hotfix.fixes import _base, encoder_modes
 from support.engine import (  # noqa: F401 - fixtures
@@ -25,6 +26,7 @@ def test_modes(m46, vproc, environment, mode, hotfix_mode):
     hotfix_mode(mode)
     try:
         hook.on_import(m46)
+        vllm_minicpm_hotfix.status()  # the processor-path probes run (as at vLLM's first processor)
         st = record.current()
         for fix in OURS:
             entry = st.fixes[fix.NAME]

@@ -162,8 +162,10 @@ def tiny_dir() -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _stock_processor_between_tests(m46_mod):
-    """Every test starts and ends with vLLM's ProcessingInfo exactly as vLLM defined it."""
+def _stock_processor_between_tests(m46_mod, monkeypatch):
+    """Every test starts and ends with vLLM's ProcessingInfo exactly as vLLM defined it; the fix is probed where it
+    is run (``_base.run``), not at vLLM's first processor (tests/registry/test_registry.py tests that)."""
+    monkeypatch.setattr(_base.deferred, "EAGER", True)
     assert not _base.is_patched(processor_fix, m46_mod), "a previous test left the processor fix applied"
     yield
     assert not _base.is_patched(processor_fix, m46_mod), "this test left the processor fix applied"
@@ -397,6 +399,7 @@ def test_hook_applies_both(m46_mod, installed, hook_cleanup):
     qkv_verdict = qkv_loader.probe(m46_mod)
     with hotfix_mode_set("auto"):
         hook.on_import(m46_mod)
+        vllm_minicpm_hotfix.status()  # the processor-path probes run (as at vLLM's first processor)
         fixes = record.current().fixes
         assert set(fixes) >= {qkv_loader.NAME, processor_fix.NAME}
         assert fixes[processor_fix.NAME].applied == installed["needed"]
@@ -414,6 +417,7 @@ def test_hook_processor_failure_isolated(m46_mod, installed, hook_cleanup, monke
     qkv_verdict = qkv_loader.probe(m46_mod)
     with hotfix_mode_set("auto"):
         hook.on_import(m46_mod)  # must not raise
+        vllm_minicpm_hotfix.status()  # the processor-path probes run (as at vLLM's first processor)
         fixes = record.current().fixes
         err = fixes[processor_fix.NAME]
         assert err.verdict == "error" and not err.applied and "processor fix exploded" in err.error
@@ -429,6 +433,7 @@ def test_hook_qkv_failure_isolated(m46_mod, installed, hook_cleanup, monkeypatch
     monkeypatch.setattr(qkv_loader, "probe", boom)
     with hotfix_mode_set("auto"):
         hook.on_import(m46_mod)  # must not raise
+        vllm_minicpm_hotfix.status()  # the processor-path probes run (as at vLLM's first processor)
         fixes = record.current().fixes
         assert fixes[qkv_loader.NAME].verdict == "error" and "qkv fix exploded" in fixes[qkv_loader.NAME].error
         pfix = fixes[processor_fix.NAME]

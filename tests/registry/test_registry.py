@@ -9,7 +9,7 @@ from support import expected as table
 import pytest
 
 import vllm_minicpm_hotfix
-from vllm_minicpm_hotfix import decision, hook
+from vllm_minicpm_hotfix import decision, hook, record
 from vllm_minicpm_hotfix.fixes import REGISTRY, _base, by_name, names
 from vllm_minicpm_hotfix.fixes._base import deferred
 
@@ -191,25 +191,40 @@ def test_hook_runs_the_registry_and_status_lists_every_fix(m46, environment, mon
 
 def test_hook_defers_the_probes_of_unused_paths(m46, environment, hotfix_mode):
     """By default the fixes with ``DEFER_AT`` are recorded "probed at first use" (verdict ``deferred``, not applied,
-    their trigger in place) and every other fix as pinned; resolving the deferred ones gives the pinned verdict too."""
+    their trigger in place) and every other fix as pinned. ``status()`` probes the processor path's group (as vLLM's
+    first processor would): pinned verdicts, applied where broken; resolving the rest gives the pinned verdicts too."""
     hotfix_mode(None)
     try:
         hook.on_import(m46)
-        st = vllm_minicpm_hotfix.status()
+        st = record.current().as_dict()
         later = [n for n in names() if getattr(by_name(n), "DEFER_AT", None)]
-        assert later, "no fix is probed at first use"
+        group = [n for n in later if by_name(n).DEFER_AT is _base.PROCESSOR_PATH]
+        assert later and group and set(group) != set(later), (later, group)
         for name, entry in st["fixes"].items():
             if name in later:
                 assert (entry["verdict"], entry["applied"], entry["first_use"]) == ("deferred", False, True), entry
                 assert deferred.pending(name)
             else:
                 assert entry["verdict"] == table.verdict(name, environment), entry
+        st = vllm_minicpm_hotfix.status()  # the processor path's probes now
+        assert list(st["fixes"]) == names()
+        others = [table.member_verdicts(m, environment) or {} for m in st["models"] if m != "MiniCPM-V 4.6"]
+        for name in later:
+            entry = st["fixes"][name]
+            if name in group:  # as probed at import (test_hook_runs_the_registry_and_status_lists_every_fix)
+                want = table.verdict(name, environment)
+                needed = want == "broken" or any(v.get(name) == "broken" for v in others)
+                assert (entry["verdict"], entry["applied"], entry["first_use"]) == (want, needed, True), entry
+                assert not deferred.pending(name) and _base.is_patched(by_name(name), m46) is needed
+            else:
+                assert entry["verdict"] == "deferred" and deferred.pending(name), entry
         resolved = deferred.resolve_all()
-        assert sorted(resolved) == sorted(later)
+        assert sorted(resolved) == sorted(set(later) - set(group))
         for name in later:
             entry = vllm_minicpm_hotfix.status()["fixes"][name]
             want = table.verdict(name, environment)
-            assert (entry["verdict"], entry["applied"], entry["first_use"]) == (want, want == "broken", True), entry
+            needed = want == "broken" or any(v.get(name) == "broken" for v in others)
+            assert (entry["verdict"], entry["applied"], entry["first_use"]) == (want, needed, True), entry
     finally:
         _base.revert(m46)
 

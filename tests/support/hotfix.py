@@ -27,6 +27,7 @@ def hotfix(m46, mode: str, fixes: tuple[str, ...] = ("qkv_loader",)):
             try:
                 for fix in chosen:
                     out[fix.NAME] = _base.run(fix, m46)
+                _base.deferred.resolve_group()  # the processor-path probes, as vLLM's first processor would run them
             except BaseException:
                 _base.revert(m46)
                 raise
