@@ -14,7 +14,9 @@ Measured with ``time.process_time()`` (CPU of this process, every thread) and ``
 * ``fixes``: per fix, ``fixes._base.run`` (probe, decision, apply; for a fix probed at first use: setting its trigger);
 * ``hook``: the whole hook (``hook.on_import``: the two above and the status record);
 * ``first_use``: with ``lazy``, the deferred fixes resolved afterwards (``fixes.deferred.resolve_all``: the cost moved
-  to the first quantized model construction; an unquantized checkpoint never pays it).
+  to vLLM's first processing info -- the processor path's group, which every serving process pays there, together
+  with transformers' processor modules that vLLM imports there itself -- and to the first quantized model
+  construction -- ``quantized_vision``, which an unquantized checkpoint never pays).
 
 ``eager`` sets ``VLLM_MINICPM_HOTFIX_PROBES=eager`` (every probe at import, as before probes could be deferred).
 """
@@ -71,7 +73,9 @@ def main(repo: str, probes: str) -> dict:
         raise RuntimeError("the post-import hook did not run")
     from vllm_minicpm_hotfix.fixes._base import deferred
 
-    st = vllm_minicpm_hotfix.status()  # before any first use
+    from vllm_minicpm_hotfix import record
+
+    st = record.current().as_dict()  # before any first use (status() would probe the processor path's group)
     out["status"] = {n: {"verdict": e["verdict"], "applied": e["applied"], "first_use": e.get("first_use")}
                      for n, e in st["fixes"].items()}
     c, w = time.process_time(), time.perf_counter()
