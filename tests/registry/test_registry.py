@@ -229,6 +229,32 @@ def test_hook_defers_the_probes_of_unused_paths(m46, environment, hotfix_mode):
         _base.revert(m46)
 
 
+def test_a_fix_reverted_while_its_group_waits_is_never_applied(m46, environment, hotfix_mode):
+    """``revert_fix`` of a fix waiting in the processor path's group (what a process that wants stock vLLM's
+    behaviour for it does right after the hook): the group's probe, when it comes, leaves it unapplied and vLLM's
+    own code in place, and applies the others as usual; reverting every member removes the group's triggers."""
+    hotfix_mode(None)
+    group = [n for n in names() if getattr(by_name(n), "DEFER_AT", None) is _base.PROCESSOR_PATH]
+    broken = [n for n in group if table.verdict(n, environment) == "broken"]
+    assert len(broken) >= 2, broken  # one to revert, one to see applied
+    try:
+        hook.on_import(m46)
+        assert _base.revert_fix(broken[0]) is True
+        st = vllm_minicpm_hotfix.status()  # the group's probes now
+        assert (st["fixes"][broken[0]]["applied"], st["fixes"][broken[0]]["why"]) == (False, "reverted")
+        assert not _base.is_patched(by_name(broken[0]), m46)
+        assert st["fixes"][broken[1]]["applied"] is True and _base.is_patched(by_name(broken[1]), m46)
+        _base.revert(m46)
+        hook.on_import(m46)
+        for name in group:
+            _base.revert_fix(name)
+        assert not _base.has_set(_base.PROCESSOR_PATH.name)
+        vllm_minicpm_hotfix.status()
+        assert not any(_base.is_patched(by_name(n), m46) for n in group)
+    finally:
+        _base.revert(m46)
+
+
 def _bind_or_error(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)

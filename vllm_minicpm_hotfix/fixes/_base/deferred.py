@@ -44,7 +44,7 @@ from ... import decision
 from ...record import FixStatus, current, installed_vllm_version, log_summary, logger
 from .deciding import decide_and_apply
 from .family import INFO_CLASS, MODEL_CLASS
-from .patching import has_set, is_patched, resolve as resolve_target, revert_fix, set_attributes
+from .patching import ON_REVERT, has_set, is_patched, resolve as resolve_target, revert_fix, set_attributes
 
 #: ``VLLM_MINICPM_HOTFIX_PROBES``: ``eager`` probes every fix at import; anything else (default ``lazy``) defers.
 ENV_VAR = "VLLM_MINICPM_HOTFIX_PROBES"
@@ -131,6 +131,27 @@ def defer_group(fix: ModuleType, module: ModuleType, mode: decision.Mode) -> Fix
                       f"{FIRST_USE} (mode {mode.value})", label=fix.LABEL, first_use=True)
     current().fixes[fix.NAME] = entry
     return entry
+
+
+def _stop_waiting(name: str) -> bool:
+    """:data:`.patching.ON_REVERT`'s entry: the fix ``name`` taken out of the group if it waits there (never
+    applied); once no fix waits, the group's triggers go and the held summary line is written."""
+    with _LOCK:
+        at = next((i for i, (fix, _) in enumerate(_GROUP) if fix.NAME == name), None)
+        if at is None:
+            return False
+        del _GROUP[at]
+        if _GROUP:
+            return True
+        held = _HELD[:1]
+        _HELD.clear()
+    revert_fix(PROCESSOR_PATH.name)
+    if held:
+        log_summary(current(), held[0])
+    return True
+
+
+ON_REVERT.append(_stop_waiting)
 
 
 def _group_trigger(owner: Any, attr: str) -> Callable[[Callable], Callable]:

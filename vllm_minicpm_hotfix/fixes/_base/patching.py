@@ -269,10 +269,16 @@ def _owner_module(owner: Any) -> str:
     return owner.__name__ if isinstance(owner, ModuleType) else getattr(owner, "__module__", "")
 
 
+#: Called by :func:`revert_fix` with the fix's NAME, each returning whether it undid anything: the deferred probes
+#: (:mod:`.deferred`) register one, so that a fix reverted while it still waits for its first use is never applied.
+ON_REVERT: list[Callable[[str], bool]] = []
+
+
 def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
     """Restore what ``fix`` set (in ``module``'s own classes only, if given); mark its status entry ``reverted``.
     Where a later fix wrapped this fix's value, the later fix is handed this fix's original, so that reverting the
-    later one restores vLLM's own value. Returns whether anything was set."""
+    later one restores vLLM's own value. A fix still waiting for its first use (:mod:`.deferred`) stops waiting.
+    Returns whether anything was set or waited."""
     saved = _ORIGINALS.get(fix, {})
     keys = [k for k in saved if module is None or _owner_module(k[0]) == module.__name__]
     undo = []
@@ -286,11 +292,12 @@ def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
             undo.append((owner, attr, old))
     _undo(undo)
     family._ACTIVE.pop(fix, None)
-    if keys:
+    waited = module is None and any([stop(fix) for stop in ON_REVERT])
+    if keys or waited:
         entry = current().fixes.get(fix)
         if entry is not None:
             entry.applied, entry.why = False, "reverted"
-    return bool(keys)
+    return bool(keys) or waited
 
 
 def revert(module: ModuleType | None = None) -> bool:
