@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from types import MethodType, ModuleType
 from typing import Any
 
@@ -102,28 +102,19 @@ def binder(function: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
     return Binding(function).bind
 
 
-class Call(Mapping):
-    """One call of a wrapped method, as a ``bind=True`` behaviour receives it: a mapping of the arguments passed by
+class Call(dict):
+    """One call of a wrapped method, as a ``bind=True`` behaviour receives it: a dict of the arguments passed by
     parameter name (the instance's parameter included, defaults not filled in), plus ``args`` / ``kwargs`` as passed
     after the instance (to call ``wrapped`` with). :meth:`replaced` gives ``(args, kwargs)`` with some parameters
-    changed, split as ``inspect.BoundArguments`` splits them."""
+    changed, split as ``inspect.BoundArguments`` splits them. A dict, so that reading an argument is one C call on the
+    request path."""
 
-    __slots__ = ("args", "kwargs", "arguments", "_binding", "_method")
+    __slots__ = ("args", "kwargs", "_binding")
 
-    def __init__(self, args: tuple, kwargs: dict, arguments: dict, binding: Binding, method: bool) -> None:
-        self.args, self.kwargs, self.arguments, self._binding, self._method = args, kwargs, arguments, binding, method
-
-    def __getitem__(self, name: str) -> Any:
-        return self.arguments[name]
-
-    def get(self, name: str, default: Any = None) -> Any:  # Mapping.get's result, without its try and extra call
-        return self.arguments.get(name, default)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.arguments)
-
-    def __len__(self) -> int:
-        return len(self.arguments)
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """The arguments by parameter name (this mapping itself)."""
+        return self
 
     @property
     def parameters(self) -> frozenset[str]:
@@ -133,7 +124,7 @@ class Call(Mapping):
     def replaced(self, **changes: Any) -> tuple[tuple, dict]:
         """``(args, kwargs)`` of this call with ``changes`` (parameter -> value; the instance's parameter too), the
         instance's own argument included for a method (to call the plain function with)."""
-        bound = inspect.BoundArguments(self._binding.signature, {**self.arguments, **changes})
+        bound = inspect.BoundArguments(self._binding.signature, {**self, **changes})
         return bound.args, bound.kwargs
 
 
@@ -196,7 +187,7 @@ def _policy(fix: ModuleType, model: Any, method: bool) -> Callable[[Any, tuple, 
     if model is SELF:
         if not method:
             raise TypeError(f"{fix.NAME}: a module function has no instance: say model=EVERY_CALL or a resolver")
-        return _by_class(fix)
+        return ByClass(fix)
 
     def acts(instance: Any, args: tuple, kwargs: dict) -> bool:
         try:
@@ -208,28 +199,30 @@ def _policy(fix: ModuleType, model: Any, method: bool) -> Callable[[Any, tuple, 
     return acts
 
 
-def _by_class(fix: ModuleType, limit: int = 64) -> Callable[[Any, tuple, dict], bool]:
-    """``covers(fix, instance)``, decided once per member class and kept with the members judged against
-    (``family._ACTIVE``'s entry, else ``MODELS``; decided again when that object changes). A class no member owns,
-    or a class as instance, is judged (and reported) by :func:`.family.covers` each time."""
-    name = fix.NAME
-    decided: dict[type, tuple[Any, bool]] = {}
+class ByClass:
+    """The policy of ``model=SELF``: ``covers(fix, instance)``, decided once per member class and kept in
+    :attr:`decided` with the members judged against (:meth:`against`: ``family._ACTIVE``'s entry, else ``MODELS``;
+    decided again when that object changes). A class no member owns, or a class as instance, is judged (and reported)
+    by :func:`.family.covers` each time."""
 
-    def acts(instance: Any, args: tuple, kwargs: dict) -> bool:
-        active = _ACTIVE.get(name)
-        against = active if active is not None else getattr(fix, "MODELS", None)
-        cls = type(instance)
-        hit = decided.get(cls)
-        if hit is not None and hit[0] is against:
-            return hit[1]
-        ok = covers(fix, instance)
+    __slots__ = ("fix", "name", "decided", "limit")
+
+    def __init__(self, fix: ModuleType, limit: int = 64) -> None:
+        self.fix, self.name, self.limit = fix, fix.NAME, limit
+        self.decided: dict[type, tuple[Any, bool]] = {}
+
+    def against(self) -> Any:
+        active = _ACTIVE.get(self.name)
+        return active if active is not None else getattr(self.fix, "MODELS", None)
+
+    def __call__(self, instance: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
+        """Decide for ``instance`` now (the built function reads a kept decision itself, before calling this)."""
+        against, cls, ok = self.against(), type(instance), covers(self.fix, instance)
         if not isinstance(instance, type) and model_of(cls) is not None:
-            if len(decided) >= limit:
-                decided.clear()
-            decided[cls] = (against, ok)
+            if len(self.decided) >= self.limit:
+                self.decided.clear()
+            self.decided[cls] = (against, ok)
         return ok
-
-    return acts
 
 
 def _counted(name: str, exc: Refusal) -> Any:
@@ -246,42 +239,60 @@ def _counted(name: str, exc: Refusal) -> Any:
 def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, method: bool,
            binding: Binding | None) -> Any:
     """The plain function that runs ``behaviour`` for the calls ``acts`` selects and ``original`` for the others; a
-    :class:`Refusal` from the behaviour is counted for fix ``name``."""
+    :class:`Refusal` from the behaviour is counted for fix ``name``. One frame per call on the request path: a
+    :class:`ByClass` policy's kept decision and a binding of positional arguments only are read inline."""
+    by_class = acts if isinstance(acts, ByClass) else None
+    decided, fix = (by_class.decided, by_class.fix) if by_class is not None else ({}, None)
+    # The call shapes (positional count, keyword names) bound once without error: for a signature of plain and
+    # keyword-only parameters whether a call binds depends on its shape alone, and such a call binds by a zip.
+    shapes: set[tuple] = set()
+    positional = binding.positional if binding is not None else ()
 
     def own(args: tuple, kwargs: dict) -> Any:
         if original is None:
             raise AttributeError(f"{behaviour.__qualname__}: vLLM defines no such attribute for this class")
         return original(*args, **kwargs)
 
-    def run(args: tuple, kwargs: dict) -> Any:
-        instance, rest = (args[0], args[1:]) if method else (None, args)
-        if acts is not None and not acts(instance, rest, kwargs):
-            return own(args, kwargs)
-        if kind == "replace":
-            return behaviour(*args, **kwargs)
-        wrapped = MethodType(original, instance) if method else original
-        if binding is None:
-            return behaviour(wrapped, instance, rest, kwargs)
+    def function(*args: Any, **kwargs: Any) -> Any:
         try:
-            arguments = binding.arguments(args, kwargs)
-        except TypeError:
-            return own(args, kwargs)
-        return behaviour(wrapped, instance, Call(rest, kwargs, arguments, binding, method))
+            instance = args[0] if method and args else None
+            if acts is not None:
+                try:  # ByClass's kept decision, read inline (subscripts: no call on the request path)
+                    against, ok = decided[type(instance)]
+                    if against is not (_ACTIVE[name] if name in _ACTIVE else getattr(fix, "MODELS", None)):
+                        raise KeyError(name)
+                except KeyError:
+                    ok = acts(instance, args[1:] if method else args, kwargs)
+                if not ok:
+                    return own(args, kwargs)
+            if kind == "replace":
+                return behaviour(*args, **kwargs)
+            wrapped = MethodType(original, instance) if method else original
+            if binding is None:
+                return behaviour(wrapped, instance, args[1:] if method else args, kwargs)
+            shape = (len(args), *kwargs)
+            if shape in shapes:
+                call = Call(zip(positional, args), **kwargs)
+            else:
+                try:
+                    call = Call(binding.arguments(args, kwargs))
+                except TypeError:
+                    return own(args, kwargs)
+                if binding.simple and len(shapes) < 64:
+                    shapes.add(shape)
+            call.args, call.kwargs, call._binding = args[1:] if method else args, kwargs, binding
+            return behaviour(wrapped, instance, call)
+        except Refusal as exc:
+            return _counted(name, exc)
 
     if inspect.iscoroutinefunction(original) or inspect.iscoroutinefunction(behaviour):
         async def coroutine(*args: Any, **kwargs: Any) -> Any:
             try:
-                return await run(args, kwargs)
+                return await function(*args, **kwargs)
             except Refusal as exc:
                 return _counted(name, exc)
 
         return coroutine
-
-    def function(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return run(args, kwargs)
-        except Refusal as exc:
-            return _counted(name, exc)
 
     return function
 
