@@ -111,6 +111,13 @@ def _native(info: Any) -> Any:
 PIXEL_SIZED = "small_image_upsize"
 
 
+#: :func:`image_placeholder`'s texts, per (transformers' processor, its image processor, the image's size, the
+#: request's kwargs, the explicit arguments, the index), for images sized by their size alone: the text is a pure
+#: function of these and of the processors' own configuration, which vLLM builds once per model and never sets again
+#: (a request's kwargs reach transformers as call arguments, not as attributes).
+_PLACEHOLDERS = WeakMemo()
+
+
 def image_placeholder(info: Any, image_size: Any, idx: int, explicit: dict, *, from_item: bool = True) -> str:
     """transformers' text for image ``idx`` of the current request (see :mod:`._mm_prompt`).
 
@@ -119,15 +126,29 @@ def image_placeholder(info: Any, image_size: Any, idx: int, explicit: dict, *, f
     hf = _native(info)
     ip = hf.image_processor
     request = mp.current()
-    eff = mp.effective_kwargs(ip, request.kwargs if request else None, explicit)
     hw = (mp.image_item_hw(request, idx) if from_item else None) or (int(image_size.height), int(image_size.width))
-    crops = mp.image_item_crops(request, idx) if from_item and hasattr(ip, PIXEL_SIZED) else None
+    pixel_sized = from_item and hasattr(ip, PIXEL_SIZED)
+    key = None
+    if not pixel_sized:  # a function of the size and the kwargs alone: kept (see _PLACEHOLDERS)
+        given = request.kwargs if request else None
+        try:
+            key = (id(hf), id(ip), hw, tuple(given.items()) if given else (), tuple(explicit.items()), idx)
+            text = _PLACEHOLDERS.get(key, (hf, ip))
+        except TypeError:  # an unhashable kwarg: built every time
+            key = text = None
+        if text is not None:
+            return text
+    eff = mp.effective_kwargs(ip, request.kwargs if request else None, explicit)
+    crops = mp.image_item_crops(request, idx) if pixel_sized else None
     if crops:  # sized from its pixels: the crops transformers' image processor returned for this item
         try:
             return mp.image_text_of_crops(hf, ip, (*hw, *crops), eff, idx)
         except ValueError:  # vLLM and transformers disagree on the item: placeholder_guard's to refuse
             pass
-    return mp.image_text(hf, ip, hw, eff, idx)
+    text = mp.image_text(hf, ip, hw, eff, idx)
+    if key is not None:
+        _PLACEHOLDERS.put(key, (hf, ip), text)
+    return text
 
 
 def video_placeholder(processor: Any, frame_size: Any, num_frames: int, idx: int, explicit: dict) -> str:
@@ -147,28 +168,43 @@ def video_placeholder(processor: Any, frame_size: Any, num_frames: int, idx: int
     return mp.video_text(hf, ip, frames, eff, idx)
 
 
-def _in_request(replacement: Any, request: mp.Request) -> Any:
-    """``replacement`` (one of vLLM's prompt-update callables) run with :data:`._mm_prompt.REQUEST` set."""
-
-    def in_request(*args: Any, **kwargs: Any) -> Any:
-        token = mp.REQUEST.set(request)
-        try:
-            return replacement(*args, **kwargs)
-        finally:
-            mp.REQUEST.reset(token)
-
-    return in_request
+def _in_request(request: mp.Request, replacement: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """``replacement`` (one of vLLM's prompt-update callables) run with :data:`._mm_prompt.REQUEST` set to
+    ``request``; bound to both per request by ``functools.partial``."""
+    token = mp.REQUEST.set(request)
+    try:
+        return replacement(*args, **kwargs)
+    finally:
+        mp.REQUEST.reset(token)
 
 
-def _with_replacement(update: Any, replacement: Any) -> Any:
-    """``dataclasses.replace(update, replacement=replacement)`` for vLLM's ``PromptUpdate`` dataclasses (plain fields,
-    no ``__post_init__``), without calling ``__init__`` again: a shallow copy of the instance's fields."""
-    fields = getattr(update, "__dict__", None)
-    if fields is None or hasattr(type(update), "__post_init__"):
-        return dataclasses.replace(update, replacement=replacement)
-    new = object.__new__(type(update))
-    new.__dict__.update(fields)
-    object.__setattr__(new, "replacement", replacement)
+#: Per class of vLLM's prompt updates, how an instance gets a new ``replacement``: ``"fields"`` (a dataclass of plain
+#: fields without ``__post_init__``: its fields copied, ``__init__`` not run again), ``"replace"``
+#: (``dataclasses.replace``), or None (not a dataclass: left as it is). Decided once per class.
+_COPY: dict[type, str | None] = {}
+
+
+def _copy_kind(update: Any) -> str | None:
+    cls = type(update)
+    if not hasattr(cls, "__dataclass_fields__"):  # dataclasses.is_dataclass for an instance
+        return None
+    return "replace" if hasattr(cls, "__post_init__") or not hasattr(update, "__dict__") else "fields"
+
+
+def _with_request(update: Any, request: mp.Request) -> Any:
+    """``update`` (one of vLLM's ``PromptUpdate`` dataclasses) with its callable ``replacement`` run in ``request``
+    (:func:`_in_request`), as ``dataclasses.replace(update, replacement=...)`` makes it; ``update`` itself where the
+    replacement is static or the update is not a dataclass."""
+    cls = type(update)
+    kind = _COPY[cls] if cls in _COPY else _COPY.setdefault(cls, _copy_kind(update))
+    replacement = getattr(update, "replacement", None) if kind is not None else None
+    if not callable(replacement):
+        return update
+    in_request = functools.partial(_in_request, request, replacement)
+    if kind == "replace":
+        return dataclasses.replace(update, replacement=in_request)
+    new = object.__new__(cls)
+    object.__setattr__(new, "__dict__", {**update.__dict__, "replacement": in_request})
     return new
 
 
@@ -178,13 +214,7 @@ def get_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
     :data:`._mm_prompt.REQUEST` set to this call's items and kwargs."""
     updates = wrapped(*call.args, **call.kwargs)
     request = mp.Request(call.get("mm_items"), dict(call.get("hf_processor_mm_kwargs") or {}), call.get("out_mm_kwargs"))
-    out = []
-    for update in updates:
-        replacement = getattr(update, "replacement", None)
-        # dataclasses.is_dataclass(update) for an instance, without its call: vLLM's updates are instances
-        if callable(replacement) and hasattr(type(update), "__dataclass_fields__"):
-            update = _with_replacement(update, _in_request(replacement, request))
-        out.append(update)
+    out = [_with_request(update, request) for update in updates]
     return type(updates)(out) if isinstance(updates, (list, tuple)) else out
 
 

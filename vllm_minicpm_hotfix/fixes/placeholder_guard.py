@@ -69,6 +69,7 @@ from __future__ import annotations
 import functools
 import sys
 import inspect
+import operator
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
@@ -151,14 +152,18 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any,
                    config_of: Callable[[], Any] | None = None) -> tuple[list[list[int]], bool] | None:
     """The item's per-slice ``[h, w]`` patch grid and whether the vit_merger runs for it, or None if it is not
     judged (an unknown modality, embeddings given directly, no ``tgt_sizes``). With ``config_of``, the model config
-    is ``config_of()``, asked only for an item without a flag."""
-    if modality not in FIELDS:
+    is ``config_of()``, asked only for an item without a flag. Runs once per item of every request: the fields are
+    read inline (:func:`_field`)."""
+    fields = FIELDS.get(modality)
+    get = getattr(item, "get", None)
+    if fields is None or get is None:
         return None
-    sizes_field, flag_field, _, _ = FIELDS[modality]
-    sizes = _field(item, sizes_field)
+    sizes = get(fields[0])
+    sizes = getattr(sizes, "data", sizes)
     if sizes is None:
         return None
-    flag = _flag(_field(item, flag_field))
+    flag = get(fields[1])
+    flag = _flag(getattr(flag, "data", flag))
     if flag is None:
         flag = default_use_vit_merger(hf_config if config_of is None else config_of())
     if getattr(sizes, "ndim", None) == 2 and sizes.shape[1] == 2:  # already (slices, 2): one call into torch
@@ -218,12 +223,19 @@ def _arity(fn: Any) -> int:
 _EMBEDS = WeakMemo()
 
 
+#: The types of a closure's values that make a plain-data key part as they are (else :func:`_plain` converts).
+_PLAIN = frozenset({type(None), bool, int, str, bytes})
+_CELL = operator.attrgetter("cell_contents")
+
+
 def _embeds_key(is_embed: Any, full: Any, tokenizer: Any) -> tuple[Any, ...] | None:
     code = getattr(is_embed, "__code__", None)
     if code is None or type(is_embed) is not types.FunctionType:
         return None
     try:
-        cells = tuple(_plain(c.cell_contents) for c in is_embed.__closure__ or ())
+        cells = tuple(map(_CELL, is_embed.__closure__ or ()))
+        if not set(map(type, cells)) <= _PLAIN:  # a list of token ids, or a value that is not plain data
+            cells = tuple(map(_plain, cells))
         key = (code, cells, full if isinstance(full, str) else tuple(full), id(tokenizer))
         hash(key)
     except (TypeError, ValueError):  # an empty cell, a value that is not plain data
@@ -233,9 +245,9 @@ def _embeds_key(is_embed: Any, full: Any, tokenizer: Any) -> tuple[Any, ...] | N
 
 def _plain(value: Any) -> Any:
     """``value`` as a hashable key part if it is plain data (token ids, a text), else ``TypeError``."""
-    if value is None or isinstance(value, (bool, int, str, bytes)):
+    if type(value) in _PLAIN:
         return value
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+    if isinstance(value, (list, tuple)) and set(map(type, value)) <= {int}:
         return tuple(value)
     raise TypeError(type(value).__name__)
 
