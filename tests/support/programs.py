@@ -62,8 +62,11 @@ def run_program(name: str, *args: str | os.PathLike, python: str | os.PathLike =
 
 def reported(proc: subprocess.CompletedProcess) -> tuple[dict, str]:
     """``(the JSON object a program printed last, everything it wrote)``: stdout then stderr (vLLM logs to stdout,
-    Python's last-resort handler to stderr)."""
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout + proc.stderr
+    Python's last-resort handler to stderr). Log lines after the object (the hotfix's summary line, written at exit
+    by a process that never built vLLM's processor) are passed over."""
+    lines = proc.stdout.strip().splitlines()
+    last = next((line for line in reversed(lines) if line.startswith("{")), lines[-1] if lines else "")
+    return json.loads(last), proc.stdout + proc.stderr
 
 
 def run_reporting(name: str, *args: str | os.PathLike, **kwargs) -> tuple[dict, str]:

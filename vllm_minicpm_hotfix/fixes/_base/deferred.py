@@ -33,6 +33,7 @@ judge them all).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
@@ -102,14 +103,30 @@ def pending(name: str) -> bool:
 
 
 def hold_summary(registry: list[str]) -> bool:
-    """The hook's summary line: held (True) while a group waits, to be written when it is resolved; False if
+    """The hook's summary line: held (True) while a group waits, to be written when it is resolved -- or, in a
+    process that never builds vLLM's processor (a script that only imports the model), at its exit; False if
     nothing waits (the hook writes it now)."""
     with _LOCK:
         if _GROUP and has_set(PROCESSOR_PATH.name):
+            if not _HELD:
+                atexit.register(_write_held)
             _HELD[:] = [list(registry)]
             return True
         _HELD.clear()
         return False
+
+
+def _write_held() -> None:
+    """The summary line the hook held, if it still is: written once (when the group is probed or emptied, or at
+    exit). Never raises."""
+    with _LOCK:
+        held = _HELD[:1]
+        _HELD.clear()
+    if held:
+        try:
+            log_summary(current(), held[0])
+        except Exception as exc:  # noqa: BLE001 - pragma: no cover - the summary itself broken
+            logger.warning("vllm-minicpm-hotfix: the summary line failed: %s", exc)
 
 
 def defer_group(fix: ModuleType, module: ModuleType, mode: decision.Mode) -> FixStatus | None:
@@ -143,11 +160,8 @@ def _stop_waiting(name: str) -> bool:
         del _GROUP[at]
         if _GROUP:
             return True
-        held = _HELD[:1]
-        _HELD.clear()
     revert_fix(PROCESSOR_PATH.name)
-    if held:
-        log_summary(current(), held[0])
+    _write_held()
     return True
 
 
@@ -200,13 +214,7 @@ def resolve_group() -> list[FixStatus]:
                 logger.warning("vllm-minicpm-hotfix: %s failed at first use (%s), vLLM left unpatched: %s", fix.NAME,
                                fix.LABEL, exc, exc_info=True)  # fmt: skip
             out.append(entry)
-        held = _HELD[:1]
-        _HELD.clear()
-    if held:
-        try:
-            log_summary(status, held[0])
-        except Exception as exc:  # noqa: BLE001 - pragma: no cover - the summary itself broken
-            logger.warning("vllm-minicpm-hotfix: the summary line failed: %s", exc)
+    _write_held()
     return out
 
 
