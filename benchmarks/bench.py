@@ -457,7 +457,8 @@ def hook_text(detail: dict) -> str:
             tag = " (first use)" if st.get("first_use") else ""
             cells.append("-" if f is None else f"{f['B']:.1f} / {f['A']:.1f}{tag}")
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    out.append("| B: paid at the first quantized model construction instead (the deferred probes, "
+    out.append("| B: paid at their first use instead (the processor-path group at vLLM's first processor, "
+               "quantized_vision at the first quantized model: "
                f"{', '.join(detail[rels[0]]['first_use_fixes'])}) | "
                + " | ".join(f"{detail[r]['first_use_ms']:.1f}" for r in rels) + " |")
     return "\n".join(out)
