@@ -55,8 +55,9 @@ def on_import(module: ModuleType) -> None:
     try:
         # The members every fix was just probed for: those whose model module vLLM has finished importing.
         status.models = list(_base.member_modules(module, imported_only=True))
-        if not _base.deferred.hold_summary([fix.NAME for fix in REGISTRY]):  # else written when the group is probed
-            log_summary(status, [fix.NAME for fix in REGISTRY])
+        names = [fix.NAME for fix in REGISTRY]
+        if not _base.deferred.hold_summary(names):  # else written when the group is probed
+            log_summary(status, names)
     except Exception as exc:  # noqa: BLE001 - pragma: no cover - the summary itself broken
         logger.warning("vllm-minicpm-hotfix: the summary line failed: %s\n%s", exc, traceback.format_exc())
 

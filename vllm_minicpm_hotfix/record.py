@@ -261,7 +261,7 @@ def log_summary(status: Status, registry: list[str]) -> bool:
     ``vllm.minicpm_hotfix`` logger object (one per process, whichever copy created it), keyed by pid so a forked
     child logs its own line."""
     with _LOCK:
-        if getattr(logger, "_vllm_minicpm_hotfix_summary_pid", None) == os.getpid():
+        if summary_logged():
             return False
         logger._vllm_minicpm_hotfix_summary_pid = os.getpid()  # type: ignore[attr-defined]
     logger.warning("%s", summary_line(status, registry))

@@ -142,18 +142,12 @@ def item_data(item: Any) -> Mapping[str, Any]:
     return {k: getattr(v, "data", v) for k, v in dict(item).items()}
 
 
-def _field(item: Any, name: str) -> Any:
-    """One field's tensor of a ``MultiModalKwargsItem`` (``item_data(item).get(name)``, without the others)."""
-    elem = item.get(name) if hasattr(item, "get") else None
-    return getattr(elem, "data", elem)
-
-
 def _grid_and_flag(modality: str, item: Any, hf_config: Any,
                    config_of: Callable[[], Any] | None = None) -> tuple[list[list[int]], bool] | None:
     """The item's per-slice ``[h, w]`` patch grid and whether the vit_merger runs for it, or None if it is not
     judged (an unknown modality, embeddings given directly, no ``tgt_sizes``). With ``config_of``, the model config
-    is ``config_of()``, asked only for an item without a flag. Runs once per item of every request: the fields are
-    read inline (:func:`_field`)."""
+    is ``config_of()``, asked only for an item without a flag. Runs once per item of every request: reads the two
+    fields' tensors (``item.get(name).data``) without :func:`item_data`'s others."""
     fields = FIELDS.get(modality)
     get = getattr(item, "get", None)
     if fields is None or get is None:

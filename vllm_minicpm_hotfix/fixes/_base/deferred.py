@@ -108,8 +108,6 @@ def hold_summary(registry: list[str]) -> bool:
     nothing waits (the hook writes it now)."""
     with _LOCK:
         if _GROUP and has_set(PROCESSOR_PATH.name):
-            if not _HELD:
-                atexit.register(_write_held)
             _HELD[:] = [list(registry)]
             return True
         _HELD.clear()
@@ -166,6 +164,7 @@ def _stop_waiting(name: str) -> bool:
 
 
 ON_REVERT.append(_stop_waiting)
+atexit.register(_write_held)  # a no-op unless a line is still held
 
 
 def _group_trigger(owner: Any, attr: str) -> Callable[[Callable], Callable]:

@@ -241,8 +241,7 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
     """The plain function that runs ``behaviour`` for the calls ``acts`` selects and ``original`` for the others; a
     :class:`Refusal` from the behaviour is counted for fix ``name``. One frame per call on the request path: a
     :class:`ByClass` policy's kept decision and a binding of positional arguments only are read inline."""
-    by_class = acts if isinstance(acts, ByClass) else None
-    decided, fix = (by_class.decided, by_class.fix) if by_class is not None else ({}, None)
+    decided, fix = (acts.decided, acts.fix) if isinstance(acts, ByClass) else (None, None)
     # The call shapes (positional count, keyword names) bound once without error: for a signature of plain and
     # keyword-only parameters whether a call binds depends on its shape alone, and such a call binds by a zip.
     shapes: set[tuple] = set()
@@ -255,21 +254,23 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
 
     def function(*args: Any, **kwargs: Any) -> Any:
         try:
-            instance = args[0] if method and args else None
-            if acts is not None:
+            instance, rest = (args[0] if args else None, args[1:]) if method else (None, args)
+            if decided is not None:
                 try:  # ByClass's kept decision, read inline (subscripts: no call on the request path)
                     against, ok = decided[type(instance)]
                     if against is not (_ACTIVE[name] if name in _ACTIVE else getattr(fix, "MODELS", None)):
                         raise KeyError(name)
                 except KeyError:
-                    ok = acts(instance, args[1:] if method else args, kwargs)
+                    ok = acts(instance, rest, kwargs)
                 if not ok:
                     return own(args, kwargs)
+            elif acts is not None and not acts(instance, rest, kwargs):  # a resolver: judged on every call
+                return own(args, kwargs)
             if kind == "replace":
                 return behaviour(*args, **kwargs)
             wrapped = MethodType(original, instance) if method else original
             if binding is None:
-                return behaviour(wrapped, instance, args[1:] if method else args, kwargs)
+                return behaviour(wrapped, instance, rest, kwargs)
             shape = (len(args), *kwargs)
             if shape in shapes:
                 call = Call(zip(positional, args), **kwargs)
@@ -280,7 +281,7 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
                     return own(args, kwargs)
                 if binding.simple and len(shapes) < 64:
                     shapes.add(shape)
-            call.args, call.kwargs, call._binding = args[1:] if method else args, kwargs, binding
+            call.args, call.kwargs, call._binding = rest, kwargs, binding
             return behaviour(wrapped, instance, call)
         except Refusal as exc:
             return _counted(name, exc)
