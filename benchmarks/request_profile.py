@@ -110,6 +110,21 @@ def passed_on(module, registry) -> None:
             setattr(owner, attr, functools.wraps(original)(passing_on))
 
 
+def handing_on(registry):
+    """The test ``handed_on(key)`` for a profile's ``(file, line, function)``: is it vLLM's own code that a wrapper
+    passes the request to (stock vLLM runs it too) -- a pass-through frame, a patched attribute's function in vLLM, or
+    one of vLLM's ``get_*_replacement`` callables."""
+    patched = {target.rpartition(".")[2] for fix in registry for target in getattr(fix, "SETS", ())}
+
+    def handed_on(key) -> bool:
+        if key[0] == __file__ and key[2] == "passing_on":
+            return True
+        in_vllm = f"{os.sep}vllm{os.sep}" in key[0] and not key[0].endswith("context.py")
+        return in_vllm and (key[2] in patched or (key[2].startswith("get_") and key[2].endswith("_replacement")))
+
+    return handed_on
+
+
 def main(repo: str, calls: int, chunks: int, case: str, cpu: bool) -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     sys.path.insert(0, repo)
@@ -126,13 +141,7 @@ def main(repo: str, calls: int, chunks: int, case: str, cpu: bool) -> None:
 
     passed_on(m46, REGISTRY)
     hook.on_import(m46)
-    patched = {target.rpartition(".")[2] for fix in REGISTRY for target in getattr(fix, "SETS", ())}
-
-    def handed_on(key) -> bool:  # vLLM's own code a wrapper passes the request to (stock runs it too)
-        if key[0] == __file__ and key[2] == "passing_on":
-            return True
-        in_vllm = f"{os.sep}vllm{os.sep}" in key[0] and not key[0].endswith("context.py")
-        return in_vllm and (key[2] in patched or (key[2].startswith("get_") and key[2].endswith("_replacement")))
+    handed_on = handing_on(REGISTRY)
 
     work = Path(tempfile.mkdtemp(prefix="vmh-request-profile."))
     try:
