@@ -20,6 +20,7 @@ ms, their median, and for the last chunk the functions that cost most (per call 
 runs.
 """
 
+import contextlib
 import cProfile
 import gc
 import inspect
@@ -125,7 +126,12 @@ def handing_on(registry):
     return handed_on
 
 
-def main(repo: str, calls: int, chunks: int, case: str, cpu: bool) -> None:
+@contextlib.contextmanager
+def warm_request(repo: str, case: str, warm: int):
+    """Yields ``(call, name)``: ``call()`` runs ``case`` once through vLLM's own processor (``request_inproc``'s
+    real-geometry tiny checkpoint, in a temporary folder removed afterwards), with the post-import hook applied
+    (``auto``) over the pass-through frames (:func:`passed_on`), after ``warm`` calls, ``gc.collect()`` and
+    ``gc.freeze()``. torch on one thread; ``repo``'s package and benchmarks first on ``sys.path``."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     sys.path.insert(0, repo)
     sys.path.insert(0, str(Path(repo) / "benchmarks"))
@@ -133,7 +139,6 @@ def main(repo: str, calls: int, chunks: int, case: str, cpu: bool) -> None:
 
     torch.set_num_threads(1)
     import request_inproc as ri
-    import vllm
     import vllm.model_executor.models.minicpmv4_6 as m46
 
     from vllm_minicpm_hotfix import hook
@@ -141,16 +146,26 @@ def main(repo: str, calls: int, chunks: int, case: str, cpu: bool) -> None:
 
     passed_on(m46, REGISTRY)
     hook.on_import(m46)
-    handed_on = handing_on(REGISTRY)
-
     work = Path(tempfile.mkdtemp(prefix="vmh-request-profile."))
     try:
         proc = ri.make_processor(ri.real_geometry(Path(repo), work / "ckpt"))
         name, modality, items, kwargs = next(c for c in ri.cases() if c[0] == case)
-        for _ in range(5):
+        for _ in range(warm):
             ri.call(proc, modality, items, kwargs)
         gc.collect()
         gc.freeze()
+        yield (lambda: ri.call(proc, modality, items, kwargs)), name
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(repo: str, calls: int, chunks: int, case: str, cpu: bool) -> None:
+    with warm_request(repo, case, 5) as (call, name):
+        import vllm
+
+        from vllm_minicpm_hotfix.fixes import REGISTRY
+
+        handed_on = handing_on(REGISTRY)
         per_event = profiler_cost_per_event(cpu)
         figures = []
         for _ in range(chunks):
@@ -158,7 +173,7 @@ def main(repo: str, calls: int, chunks: int, case: str, cpu: bool) -> None:
             t = time.perf_counter()
             prof.enable()
             for _ in range(calls):
-                ri.call(proc, modality, items, kwargs)
+                call()
             prof.disable()
             apply_ms = (time.perf_counter() - t) / calls * 1e3
             stats = pstats.Stats(prof).stats
@@ -179,8 +194,6 @@ def main(repo: str, calls: int, chunks: int, case: str, cpu: bool) -> None:
         print("last chunk, per call of apply: us  calls  function")
         for key, sec in sorted(per_fn.items(), key=lambda kv: -kv[1])[:int(os.environ.get("TOP", 15))]:
             print(f"  {sec / calls * 1e6:7.1f}  {stats[key][1] / calls:5.1f}  {Path(key[0]).name}:{key[1]} {key[2]}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ Needs py-spy (``pip install py-spy``), next to this Python or on ``PATH``.
 """
 
 import collections
-import gc
 import json
 import math
 import os
@@ -48,43 +47,22 @@ LOOP = "sampled_calls"
 FRAME = re.compile(r"^(?P<name>.*) \((?P<file>.*):(?P<line>\d+)\)$")
 
 
-def sampled_calls(ri, proc, modality, items, kwargs, seconds: float) -> tuple[int, float, float]:
-    """Call ``apply`` for ``seconds``; ``(calls, wall seconds, this thread's CPU seconds)``. The frame py-spy's
-    samples are counted inside."""
+def sampled_calls(call, seconds: float) -> tuple[int, float, float]:
+    """``call()`` for ``seconds``; ``(calls, wall seconds, this thread's CPU seconds)``. The frame py-spy's samples
+    are counted inside."""
     calls, start, cpu = 0, time.perf_counter(), time.thread_time()
     while time.perf_counter() - start < seconds:
-        ri.call(proc, modality, items, kwargs)
+        call()
         calls += 1
     return calls, time.perf_counter() - start, time.thread_time() - cpu
 
 
 def drive(repo: str, seconds: float, case: str) -> None:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    sys.path.insert(0, repo)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import torch
-
-    torch.set_num_threads(1)
-    import request_inproc as ri
     import request_profile as rp
-    import vllm.model_executor.models.minicpmv4_6 as m46
 
-    from vllm_minicpm_hotfix import hook
-    from vllm_minicpm_hotfix.fixes import REGISTRY
-
-    rp.passed_on(m46, REGISTRY)
-    hook.on_import(m46)
-    work = Path(tempfile.mkdtemp(prefix="vmh-request-sample."))
-    try:
-        proc = ri.make_processor(ri.real_geometry(Path(repo), work / "ckpt"))
-        name, modality, items, kwargs = next(c for c in ri.cases() if c[0] == case)
-        for _ in range(20):
-            ri.call(proc, modality, items, kwargs)
-        gc.collect()
-        gc.freeze()
-        calls, wall, cpu = sampled_calls(ri, proc, modality, items, kwargs, seconds)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with rp.warm_request(repo, case, 20) as (call, name):
+        calls, wall, cpu = sampled_calls(call, seconds)
     import vllm
 
     print(json.dumps({"case": name, "vllm": vllm.__version__, "calls": calls, "wall_s": wall, "cpu_s": cpu}))
