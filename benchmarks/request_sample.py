@@ -69,6 +69,7 @@ def drive(repo: str, seconds: float, case: str) -> None:
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% interval for the share ``k / n`` (``(0, 1)`` for ``n == 0``)."""
     if n == 0:
         return 0.0, 1.0
     p = k / n
@@ -77,10 +78,11 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def classify(raw: str, handed_on, profile_file: str) -> tuple[int, int, collections.Counter, int]:
-    """``(loop samples, own samples, own samples by package function, samples outside any wrapper)`` of py-spy's
-    raw output (``frame;frame;... count`` per line, outermost first)."""
+    """``(loop samples, own samples, own samples by package line, samples outside every wrapper)`` of py-spy's raw
+    output (``name (file:line);... count`` per line, outermost frame first); ``profile_file`` is where
+    ``request_profile.py``'s pass-through frames are defined, as ``handed_on`` knows it."""
     loop = own = outside = 0
-    by_fn: collections.Counter = collections.Counter()
+    by_line: collections.Counter = collections.Counter()
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack:
@@ -97,14 +99,14 @@ def classify(raw: str, handed_on, profile_file: str) -> tuple[int, int, collecti
         for file, lineno, name in reversed(frames[inside + 1:]):
             if PACKAGE in file:
                 own += n
-                by_fn[f"{Path(file).name}:{lineno} {name.rpartition('.')[2]}"] += n
+                by_line[f"{Path(file).name}:{lineno} {name.rpartition('.')[2]}"] += n
                 break
             key = (profile_file if Path(file).name == "request_profile.py" else file, lineno, name.rpartition(".")[2])
             if handed_on(key):
                 break
         else:
             outside += n
-    return loop, own, by_fn, outside
+    return loop, own, by_line, outside
 
 
 def main(repo: str, seconds: float, rate: int, case: str) -> None:
