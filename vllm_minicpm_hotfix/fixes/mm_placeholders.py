@@ -68,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -211,17 +212,28 @@ def _with_request(update: Any, request: mp.Request) -> Any:
 def get_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
     """Around ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(self, mm_items, hf_processor_mm_kwargs,
     out_mm_kwargs) -> Sequence[PromptUpdate]``: vLLM's own updates, each callable ``replacement`` run with
-    :data:`._mm_prompt.REQUEST` set to this call's items and kwargs."""
+    :data:`._mm_prompt.REQUEST` set to this call's items and kwargs. An update of a modality the request has no
+    items of is passed on as vLLM made it: vLLM resolves updates per item (``_bind_and_group_updates`` over
+    ``mm_items.get_all_counts()``), so its replacement is never run."""
     updates = wrapped(*call.args, **call.kwargs)
-    request = mp.Request(call.get("mm_items"), dict(call.get("hf_processor_mm_kwargs") or {}), call.get("out_mm_kwargs"))
-    out = [_with_request(update, request) for update in updates]
+    items = call.get("mm_items")
+    request = mp.Request(items, dict(call.get("hf_processor_mm_kwargs") or {}), call.get("out_mm_kwargs"))
+    present = getattr(items, "data", items)  # MultiModalDataItems is a UserDict: its dict, for `in` in C
+    if not isinstance(present, Mapping):
+        present = None
+    out = [_with_request(update, request)
+           if present is None or getattr(update, "modality", None) in present else update for update in updates]
     return type(updates)(out) if isinstance(updates, (list, tuple)) else out
 
 
 def process_mm_inputs(wrapped: Any, instance: Any, call: Call) -> Any:
     """Around ``MiniCPMVMultiModalProcessor.process_mm_inputs(self, mm_data, mm_kwargs[, tok_kwargs])`` (where vLLM
     turns a request's items into tensors, 0.22-0.33): run with :data:`._mm_prompt.PROCESSING` set to its
-    ``mm_kwargs``."""
+    ``mm_kwargs`` where ``mm_data`` holds videos (only ``process_videos`` asks ``get_video_max_slice_num``; it returns
+    at once where ``mm_data.get("videos")`` is None, as this does)."""
+    mm_data = call.get("mm_data")
+    if mm_data is not None and mm_data.get("videos") is None:
+        return wrapped(*call.args, **call.kwargs)
     token = mp.PROCESSING.set(dict(call.get("mm_kwargs") or {}))
     try:
         return wrapped(*call.args, **call.kwargs)
@@ -416,11 +428,10 @@ def check_cases(module: ModuleType, cases: Any = CASES, *, first_broken: bool = 
 def probe(module: ModuleType) -> Verdict:
     """Whether vLLM's placeholder text for the probe cases (:data:`CASES`) equals transformers' own.
 
-    Runs the installed ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates`` (and, for videos, its
-    ``process_mm_inputs``) on stand-ins over a real transformers ``MiniCPMV4_6Processor`` and compares the resolved
-    text with what that processor produces for the same item and kwargs. ``broken`` if any case differs or raises
-    (it stops at the first that does, :data:`PROBE_ORDER`: the reason names it), ``correct`` if all are equal,
-    ``undetermined`` if a case could not run. Never raises; leaves ``module`` unchanged. Costs about 1 ms on a
+    Runs the installed ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates`` on stand-ins over a real transformers
+    ``MiniCPMV4_6Processor`` and compares the resolved text with what that processor produces for the same item and
+    kwargs. ``broken`` if any case differs or raises (it stops at the first that does, :data:`PROBE_ORDER`: the
+    reason names it), ``correct`` if all are equal, ``undetermined`` if a case could not run. Never raises; leaves ``module`` unchanged. Costs about 1 ms on a
     release where the first case differs, 6-8 ms where every case runs.
     """
     info_cls, proc_cls = getattr(module, INFO_CLASS, None), getattr(module, PROCESSOR_CLASS, None)
