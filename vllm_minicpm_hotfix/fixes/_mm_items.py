@@ -34,11 +34,19 @@ def item_hw(item: Any) -> tuple[int, int] | None:
         return None
 
 
+def plain(mapping: Any) -> Any:
+    """The dict inside one of vLLM's ``UserDict`` mappings (``MultiModalDataItems``, ``MultiModalKwargsItems``,
+    ``MultiModalKwargsItem``; none overrides a lookup), else ``mapping`` itself: read on the request path, where each
+    ``get`` / ``items()`` of a ``UserDict`` costs Python frames and the dict's cost one C call."""
+    data = getattr(mapping, "data", None)
+    return data if type(data) is dict else mapping
+
+
 def _items_of(items: Any, modality: str) -> Any:
     """The request's raw items of ``modality`` (vLLM's ``ImageProcessorItems`` / ``VideoProcessorItems``); None for
     embeddings passed instead of pixels (their sizes are vLLM's to read) or when there are none."""
     try:
-        batch = items.get(modality) if items is not None else None
+        batch = plain(items).get(modality) if items is not None else None
         kinds = _RAW_KINDS or _raw_kinds()
     except Exception:
         return None

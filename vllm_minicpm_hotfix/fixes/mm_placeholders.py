@@ -253,7 +253,8 @@ def get_slice_image_placeholder(wrapped: Any, instance: Any, call: Call) -> str:
     """Instead of ``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder(self, image_size, image_idx=0,
     max_slice_nums=None, use_image_id=True, downsample_mode=None) -> str``: transformers' text
     (:func:`image_placeholder`); arguments vLLM passes explicitly win over the request's kwargs."""
-    explicit = {k: call.get(k) for k in ("max_slice_nums", "downsample_mode", "use_image_id")}
+    explicit = {"max_slice_nums": call.get("max_slice_nums"), "downsample_mode": call.get("downsample_mode"),
+                "use_image_id": call.get("use_image_id")}
     return image_placeholder(instance, call["image_size"], int(call.get("image_idx", 0) or 0), explicit)
 
 

@@ -77,6 +77,7 @@ from typing import Any
 
 from ..decision import State, Verdict
 from ._base import PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, Refusal, WeakMemo, model_of, wrap
+from ._mm_items import plain
 
 NAME = "placeholder_guard"
 #: MiniCPM-OCR's processors (the backport's, vLLM 0.33's) inherit both hooked methods and its model 4.6's
@@ -149,7 +150,7 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any,
     is ``config_of()``, asked only for an item without a flag. Runs once per item of every request: reads the two
     fields' tensors (``item.get(name).data``) without :func:`item_data`'s others."""
     fields = FIELDS.get(modality)
-    get = getattr(item, "get", None)
+    get = getattr(plain(item), "get", None)
     if fields is None or get is None:
         return None
     sizes = get(fields[0])
@@ -287,7 +288,7 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
     """
     info = processor.info
     tokenizer = None
-    for modality, items in kwargs.items():
+    for modality, items in plain(kwargs).items():
         if modality not in FIELDS:
             continue
         item_updates = updates.get(modality, ())
