@@ -78,6 +78,7 @@ from . import _stand_ins
 from ._base import (
     INFO_CLASS, PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, WeakMemo, base_named, on_import, wrap,
 )
+from ._mm_items import plain
 
 NAME = "mm_placeholders"
 LABEL = "image/video placeholder text (transformers' layout and kwargs)"
@@ -218,7 +219,7 @@ def get_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
     updates = wrapped(*call.args, **call.kwargs)
     items = call.get("mm_items")
     request = mp.Request(items, dict(call.get("hf_processor_mm_kwargs") or {}), call.get("out_mm_kwargs"))
-    present = getattr(items, "data", items)  # MultiModalDataItems is a UserDict: its dict, for `in` in C
+    present = plain(items)
     if not isinstance(present, Mapping):
         present = None
     out = [_with_request(update, request)
@@ -432,8 +433,8 @@ def probe(module: ModuleType) -> Verdict:
     Runs the installed ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates`` on stand-ins over a real transformers
     ``MiniCPMV4_6Processor`` and compares the resolved text with what that processor produces for the same item and
     kwargs. ``broken`` if any case differs or raises (it stops at the first that does, :data:`PROBE_ORDER`: the
-    reason names it), ``correct`` if all are equal, ``undetermined`` if a case could not run. Never raises; leaves ``module`` unchanged. Costs about 1 ms on a
-    release where the first case differs, 6-8 ms where every case runs.
+    reason names it), ``correct`` if all are equal, ``undetermined`` if a case could not run. Never raises; leaves
+    ``module`` unchanged. Costs about 1 ms on a release where the first case differs, 6-8 ms where every case runs.
     """
     info_cls, proc_cls = getattr(module, INFO_CLASS, None), getattr(module, PROCESSOR_CLASS, None)
     missing = [
