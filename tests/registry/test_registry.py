@@ -267,7 +267,7 @@ BOUND_METHODS = (
     ("vllm.multimodal.processing", "BaseMultiModalProcessor", "apply"),
     ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_merge_mm_kwargs"),
     ("vllm.model_executor.models.minicpmv", "MiniCPMVMultiModalProcessor", "process_mm_inputs"),
-    ("vllm.model_executor.models.minicpmv4_6", "MiniCPMV4_6MultiModalProcessor", "_get_prompt_updates"),
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_get_mm_prompt_updates"),
     ("vllm.model_executor.models.minicpmv4_6", "MiniCPMV4_6ProcessingInfo", "get_slice_image_placeholder"),
 )
 

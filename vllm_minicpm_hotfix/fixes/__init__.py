@@ -28,7 +28,7 @@ vLLM method (``MiniCPMV4_6`` classes)                       fix                 
 ``MultiModalProcessor.process_mm_inputs``                   mm_placeholders        sets ``_mm_prompt.PROCESSING`` to
                                                                                    the request's ``mm_kwargs``
 ``MultiModalProcessor._get_mm_fields_config``               encoder_modes          the per-item downsample field
-``MultiModalProcessor._get_prompt_updates``                 mm_placeholders        runs each replacement with
+``MultiModalProcessor._get_mm_prompt_updates``              mm_placeholders        resolves the replacements with
                                                                                    ``_mm_prompt.REQUEST`` set
 ``ProcessingInfo.get_slice_image_placeholder`` (image)      mm_placeholders        transformers' text, from
                                                                                    ``REQUEST``
@@ -108,7 +108,7 @@ REQUEST_PATH: tuple[tuple[str, str, str], ...] = (
     ("MiniCPMV4_6MultiModalProcessor.process_mm_inputs", "encoder_modes", "always"),
     ("MiniCPMV4_6MultiModalProcessor.process_mm_inputs", "mm_placeholders", "always"),
     ("MiniCPMV4_6MultiModalProcessor._get_mm_fields_config", "encoder_modes", "always"),
-    ("MiniCPMV4_6MultiModalProcessor._get_prompt_updates", "mm_placeholders", "always"),
+    ("MiniCPMV4_6MultiModalProcessor._get_mm_prompt_updates", "mm_placeholders", "always"),
     ("MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder", "mm_placeholders", "image"),
     ("MiniCPMV4_6MultiModalProcessor.get_video_prompt_texts", "mm_placeholders", "video"),
 )

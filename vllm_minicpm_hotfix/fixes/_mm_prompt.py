@@ -20,10 +20,10 @@ for a processor without them the rows are laid out from ``grid[0]`` = rows, ``gr
 The request
 -----------
 vLLM hands a request's ``mm_processor_kwargs`` (``hf_processor_mm_kwargs``) and its items to
-``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)`` (every
-release 0.22-0.33), whose replacement callables vLLM resolves per item right after; ``mm_placeholders`` runs each
-with the request in :data:`REQUEST` (a :class:`contextvars.ContextVar`, so concurrent requests in threads or tasks
-never see each other's), and the text producers read it with :func:`current`.
+``_get_mm_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)`` (every release 0.22-0.33), which gets
+``MiniCPMV4_6MultiModalProcessor._get_prompt_updates`` and resolves their replacement callables per item at once;
+``mm_placeholders`` runs it with the request in :data:`REQUEST` (a :class:`contextvars.ContextVar`, so concurrent
+requests in threads or tasks never see each other's), and the text producers read it with :func:`current`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ TOKENS: dict[str, str] = {
 
 
 class Request(NamedTuple):
-    """What vLLM passed to ``_get_prompt_updates`` for one call (one request, or the cache misses of one)."""
+    """What vLLM passed to ``_get_mm_prompt_updates`` for one call (one request, or the cache misses of one)."""
 
     items: Any  #: vLLM's ``MultiModalDataItems`` (modality -> ``ProcessorBatchItems``)
     kwargs: Mapping[str, object]  #: the request's ``mm_processor_kwargs`` as vLLM passed them

@@ -30,7 +30,8 @@ built, fed with what the installed image processor's own ``get_sliced_grid`` / `
 kwargs (the processor's, then the request's, then what vLLM resolved and passed), plus ``<image_id>i</image_id>``
 where ``use_image_id``. Set on vLLM's classes (``PATCHES``):
 
-* ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates``: vLLM's own, with each replacement callable run inside
+* ``MiniCPMV4_6MultiModalProcessor._get_mm_prompt_updates`` (vLLM's ``BaseMultiModalProcessor`` method that gets
+  ``_get_prompt_updates`` and resolves each replacement callable per item): vLLM's own, run inside
   :data:`._mm_prompt.REQUEST` (this call's items and ``mm_processor_kwargs``; a ``ContextVar``, so concurrent
   requests never see each other's);
 * ``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder`` / ``get_num_image_tokens`` and
@@ -55,20 +56,19 @@ outside these producers may call) keeps needing it.
 
 The decision
 ------------
-Runs the installed ``_get_prompt_updates`` (the current class attribute: re-run on the patched module it answers
-``correct``) on stand-ins -- vLLM's real ``MiniCPMV4_6ProcessingInfo`` / ``MiniCPMV4_6MultiModalProcessor`` created
-without ``__init__``, over a real transformers ``MiniCPMV4_6Processor`` with a tiny in-memory tokenizer, patch 14 and
-``scale_resolution`` 112 -- for the cases in :data:`CASES` (one per defect above, sizes found by running each
-family's arithmetic) and compares each resolved text with transformers' for the same size and kwargs. ``broken``
-names every case that differs; ``correct`` if all are equal. No pixels are processed: ~10-50 ms.
+Resolves the installed ``_get_mm_prompt_updates`` / ``_get_prompt_updates`` (the current class attributes: re-run on
+the patched module it answers ``correct``) on stand-ins -- vLLM's real ``MiniCPMV4_6ProcessingInfo`` /
+``MiniCPMV4_6MultiModalProcessor`` created without ``__init__``, over a real transformers ``MiniCPMV4_6Processor``
+with a tiny in-memory tokenizer, patch 14 and ``scale_resolution`` 112 -- for the cases in :data:`CASES` (one per
+defect above, sizes found by running each family's arithmetic) and compares each resolved text with transformers' for
+the same size and kwargs. ``broken`` names every case that differs; ``correct`` if all are equal. No pixels are
+processed: ~10-50 ms.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
-from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -78,7 +78,6 @@ from . import _stand_ins
 from ._base import (
     INFO_CLASS, PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, WeakMemo, base_named, on_import, wrap,
 )
-from ._mm_items import plain
 
 NAME = "mm_placeholders"
 LABEL = "image/video placeholder text (transformers' layout and kwargs)"
@@ -113,43 +112,50 @@ def _native(info: Any) -> Any:
 PIXEL_SIZED = "small_image_upsize"
 
 
-#: :func:`image_placeholder`'s texts, per (transformers' processor, its image processor, the image's size, the
-#: request's kwargs, the explicit arguments, the index), for images sized by their size alone: the text is a pure
-#: function of these and of the processors' own configuration, which vLLM builds once per model and never sets again
-#: (a request's kwargs reach transformers as call arguments, not as attributes).
+#: :func:`image_placeholder`'s texts, per (vLLM's processing context, whether the size is the item's own, the image's
+#: size, the request's kwargs, the explicit arguments, the index), for images sized by their size alone: the text is a
+#: pure function of these and of the configuration of the processors the context builds (``_native``), which vLLM
+#: builds once per model and never sets again (a request's kwargs reach transformers as call arguments, not as
+#: attributes). Keyed by the context, so that a hit needs no look-up of the processors.
 _PLACEHOLDERS = WeakMemo()
 
 
-def image_placeholder(info: Any, image_size: Any, idx: int, explicit: dict, *, from_item: bool = True) -> str:
+#: The arguments vLLM may pass a placeholder method explicitly, in the order :func:`image_placeholder` takes their
+#: values.
+EXPLICIT = ("max_slice_nums", "downsample_mode", "use_image_id")
+
+
+def image_placeholder(info: Any, image_size: Any, idx: int, explicit: tuple, *, from_item: bool = True) -> str:
     """transformers' text for image ``idx`` of the current request (see :mod:`._mm_prompt`).
 
     ``image_size`` is vLLM's ``ImageSize(width, height)``; with ``from_item`` the size read from the request's own
-    item ``idx`` wins where there is one (vLLM 0.22-0.23 read an HWC array's size as CHW)."""
-    hf = _native(info)
-    ip = hf.image_processor
+    item ``idx`` wins where there is one (vLLM 0.22-0.23 read an HWC array's size as CHW). ``explicit``: the values of
+    :data:`EXPLICIT` vLLM passed (None where it did not), which win over the request's kwargs."""
     request = mp.current()
     hw = (mp.image_item_hw(request, idx) if from_item else None) or (int(image_size.height), int(image_size.width))
-    pixel_sized = from_item and hasattr(ip, PIXEL_SIZED)
-    key = None
-    if not pixel_sized:  # a function of the size and the kwargs alone: kept (see _PLACEHOLDERS)
-        given = request.kwargs if request else None
-        try:
-            key = (id(hf), id(ip), hw, tuple(given.items()) if given else (), tuple(explicit.items()), idx)
-            text = _PLACEHOLDERS.get(key, (hf, ip))
-        except TypeError:  # an unhashable kwarg: built every time
-            key = text = None
-        if text is not None:
-            return text
-    eff = mp.effective_kwargs(ip, request.kwargs if request else None, explicit)
-    crops = mp.image_item_crops(request, idx) if pixel_sized else None
-    if crops:  # sized from its pixels: the crops transformers' image processor returned for this item
-        try:
-            return mp.image_text_of_crops(hf, ip, (*hw, *crops), eff, idx)
-        except ValueError:  # vLLM and transformers disagree on the item: placeholder_guard's to refuse
-            pass
+    ctx = info.ctx
+    given = request.kwargs if request else None
+    try:  # kept only for images sized by their size alone (not PIXEL_SIZED), so a hit is one
+        key = (id(ctx), from_item, hw, tuple(given.items()) if given else (), explicit, idx)
+        text = _PLACEHOLDERS.get(key, (ctx,))
+    except TypeError:  # an unhashable kwarg: built every time
+        key = text = None
+    if text is not None:
+        return text
+    hf = _native(info)
+    ip = hf.image_processor
+    eff = mp.effective_kwargs(ip, given, dict(zip(EXPLICIT, explicit)))
+    if from_item and hasattr(ip, PIXEL_SIZED):
+        crops = mp.image_item_crops(request, idx)
+        if crops:  # sized from its pixels: the crops transformers' image processor returned for this item
+            try:
+                return mp.image_text_of_crops(hf, ip, (*hw, *crops), eff, idx)
+            except ValueError:  # vLLM and transformers disagree on the item: placeholder_guard's to refuse
+                pass
+        return mp.image_text(hf, ip, hw, eff, idx)
     text = mp.image_text(hf, ip, hw, eff, idx)
     if key is not None:
-        _PLACEHOLDERS.put(key, (hf, ip), text)
+        _PLACEHOLDERS.put(key, (ctx,), text)
     return text
 
 
@@ -170,61 +176,19 @@ def video_placeholder(processor: Any, frame_size: Any, num_frames: int, idx: int
     return mp.video_text(hf, ip, frames, eff, idx)
 
 
-def _in_request(request: mp.Request, replacement: Any, /, *args: Any, **kwargs: Any) -> Any:
-    """``replacement`` (one of vLLM's prompt-update callables) run with :data:`._mm_prompt.REQUEST` set to
-    ``request``; bound to both per request by ``functools.partial``."""
+def get_mm_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``BaseMultiModalProcessor._get_mm_prompt_updates(self, mm_items, hf_processor_mm_kwargs,
+    out_mm_kwargs) -> MultiModalPromptUpdates`` (set on the 4.6 processor class): vLLM's own, run with
+    :data:`._mm_prompt.REQUEST` set to this call's items and kwargs. It is where vLLM runs the replacement callables
+    of ``_get_prompt_updates``: ``_bind_and_group_updates`` resolves every update per item at once
+    (``PromptUpdate.resolve`` calls its replacement, 0.22-0.33), and a resolved update holds text, not a callable.
+    So every placeholder of the call is laid out for this request, and nothing is copied per request."""
+    request = mp.Request(call.get("mm_items"), call.get("hf_processor_mm_kwargs") or {}, call.get("out_mm_kwargs"))
     token = mp.REQUEST.set(request)
     try:
-        return replacement(*args, **kwargs)
+        return wrapped(*call.args, **call.kwargs)
     finally:
         mp.REQUEST.reset(token)
-
-
-#: Per class of vLLM's prompt updates, how an instance gets a new ``replacement``: ``"fields"`` (a dataclass of plain
-#: fields without ``__post_init__``: its fields copied, ``__init__`` not run again), ``"replace"``
-#: (``dataclasses.replace``), or None (not a dataclass: left as it is). Decided once per class.
-_COPY: dict[type, str | None] = {}
-
-
-def _copy_kind(update: Any) -> str | None:
-    cls = type(update)
-    if not hasattr(cls, "__dataclass_fields__"):  # dataclasses.is_dataclass for an instance
-        return None
-    return "replace" if hasattr(cls, "__post_init__") or not hasattr(update, "__dict__") else "fields"
-
-
-def _with_request(update: Any, request: mp.Request) -> Any:
-    """``update`` (one of vLLM's ``PromptUpdate`` dataclasses) with its callable ``replacement`` run in ``request``
-    (:func:`_in_request`), as ``dataclasses.replace(update, replacement=...)`` makes it; ``update`` itself where the
-    replacement is static or the update is not a dataclass."""
-    cls = type(update)
-    kind = _COPY[cls] if cls in _COPY else _COPY.setdefault(cls, _copy_kind(update))
-    replacement = getattr(update, "replacement", None) if kind is not None else None
-    if not callable(replacement):
-        return update
-    in_request = functools.partial(_in_request, request, replacement)
-    if kind == "replace":
-        return dataclasses.replace(update, replacement=in_request)
-    new = object.__new__(cls)
-    object.__setattr__(new, "__dict__", {**update.__dict__, "replacement": in_request})
-    return new
-
-
-def get_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
-    """Around ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates(self, mm_items, hf_processor_mm_kwargs,
-    out_mm_kwargs) -> Sequence[PromptUpdate]``: vLLM's own updates, each callable ``replacement`` run with
-    :data:`._mm_prompt.REQUEST` set to this call's items and kwargs. An update of a modality the request has no
-    items of is passed on as vLLM made it: vLLM resolves updates per item (``_bind_and_group_updates`` over
-    ``mm_items.get_all_counts()``), so its replacement is never run."""
-    updates = wrapped(*call.args, **call.kwargs)
-    items = call.get("mm_items")
-    request = mp.Request(items, dict(call.get("hf_processor_mm_kwargs") or {}), call.get("out_mm_kwargs"))
-    present = plain(items)
-    if not isinstance(present, Mapping):
-        present = None
-    out = [_with_request(update, request)
-           if present is None or getattr(update, "modality", None) in present else update for update in updates]
-    return type(updates)(out) if isinstance(updates, (list, tuple)) else out
 
 
 def process_mm_inputs(wrapped: Any, instance: Any, call: Call) -> Any:
@@ -254,16 +218,14 @@ def get_slice_image_placeholder(wrapped: Any, instance: Any, call: Call) -> str:
     """Instead of ``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder(self, image_size, image_idx=0,
     max_slice_nums=None, use_image_id=True, downsample_mode=None) -> str``: transformers' text
     (:func:`image_placeholder`); arguments vLLM passes explicitly win over the request's kwargs."""
-    explicit = {"max_slice_nums": call.get("max_slice_nums"), "downsample_mode": call.get("downsample_mode"),
-                "use_image_id": call.get("use_image_id")}
+    explicit = (call.get("max_slice_nums"), call.get("downsample_mode"), call.get("use_image_id"))  # EXPLICIT
     return image_placeholder(instance, call["image_size"], int(call.get("image_idx", 0) or 0), explicit)
 
 
 def get_num_image_tokens(wrapped: Any, instance: Any, call: Call) -> int:
     """Instead of ``MiniCPMV4_6ProcessingInfo.get_num_image_tokens(self, image_size, max_slice_nums=None,
     downsample_mode=None) -> int``: the number of ``<|image_pad|>`` in :func:`image_placeholder`'s text."""
-    explicit = {k: call.get(k) for k in ("max_slice_nums", "downsample_mode")}
-    explicit["use_image_id"] = False
+    explicit = (call.get("max_slice_nums"), call.get("downsample_mode"), False)  # EXPLICIT
     text = image_placeholder(instance, call["image_size"], 0, explicit, from_item=False)
     return text.count(mp.token(_native(instance), "image_token"))
 
@@ -279,7 +241,7 @@ def get_video_prompt_texts(wrapped: Any, instance: Any, call: Call) -> str:
 def ocr_get_prompt_updates(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Instead of vLLM 0.33's ``MiniCPMOcrMultiModalProcessor._get_prompt_updates(self, mm_items,
     hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptUpdate]``: the 4.6 class's (this fix's
-    :func:`get_prompt_updates`), whose image text is transformers' laid out from the item's crops. vLLM's override
+    vLLM's own), whose image text is transformers' laid out from the item's crops. vLLM's override
     puts a text of its own in place of each image's (also from the crops) that keeps ``<image_id>`` under
     ``use_image_id: false`` and the sliced layout under ``slice_mode: false``."""
     base = base_named(instance, PROCESSOR_CLASS)
@@ -292,7 +254,7 @@ def ocr_get_prompt_updates(wrapped: Any, instance: Any, args: tuple, kwargs: dic
 OCR_PROCESSOR = "vllm.model_executor.models.minicpm_ocr:MiniCPMOcrMultiModalProcessor"
 
 PATCHES = {
-    f"{PROCESSOR_CLASS}._get_prompt_updates": wrap(get_prompt_updates, bind=True),
+    f"{PROCESSOR_CLASS}._get_mm_prompt_updates": wrap(get_mm_prompt_updates, bind=True),
     f"{OCR_PROCESSOR}._get_prompt_updates": on_import(lambda old, owner: wrap(ocr_get_prompt_updates)
                                                       if "_get_prompt_updates" in vars(owner) else None),
     f"{INFO_CLASS}.get_slice_image_placeholder": wrap(get_slice_image_placeholder, bind=True),
@@ -343,7 +305,7 @@ def _probe_native(model_kwargs: tuple) -> Any:
 
 
 def _vllm_text(module: ModuleType, modality: str, item: Any, model_kwargs: dict, request_kwargs: dict) -> str:
-    """The text the installed ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates`` resolves for one item, on
+    """The text the installed ``MiniCPMV4_6MultiModalProcessor._get_mm_prompt_updates`` resolves for one item, on
     stand-ins over a real transformers processor. For a video, the processed data hold per-frame ``[W, H]``
     (``video_image_sizes``) as vLLM 0.23+'s ``process_videos`` records them."""
     import torch
@@ -367,9 +329,7 @@ def _vllm_text(module: ModuleType, modality: str, item: Any, model_kwargs: dict,
             BatchFeature({"video_image_sizes": [sizes]}),
             {"video_image_sizes": MultiModalFieldConfig.batched("video")},
         )
-    updates = [u for u in proc._get_prompt_updates(items, dict(request_kwargs), out) if u.modality == modality]
-    content = updates[0].content
-    details = content(0) if callable(content) else content
+    details = proc._get_mm_prompt_updates(items, dict(request_kwargs), out)[modality][0][0].content
     full = getattr(details, "full", details)
     return full if isinstance(full, str) else native.tokenizer.decode(list(full))
 
@@ -430,7 +390,7 @@ def check_cases(module: ModuleType, cases: Any = CASES, *, first_broken: bool = 
 def probe(module: ModuleType) -> Verdict:
     """Whether vLLM's placeholder text for the probe cases (:data:`CASES`) equals transformers' own.
 
-    Runs the installed ``MiniCPMV4_6MultiModalProcessor._get_prompt_updates`` on stand-ins over a real transformers
+    Runs the installed ``MiniCPMV4_6MultiModalProcessor._get_mm_prompt_updates`` on stand-ins over a real transformers
     ``MiniCPMV4_6Processor`` and compares the resolved text with what that processor produces for the same item and
     kwargs. ``broken`` if any case differs or raises (it stops at the first that does, :data:`PROBE_ORDER`: the
     reason names it), ``correct`` if all are equal, ``undetermined`` if a case could not run. Never raises; leaves

@@ -20,7 +20,7 @@ modalities are left as vLLM made them.
 
 The decision
 ------------
-Resolves the installed ``_get_prompt_updates`` for one video (stand-ins over a real transformers processor and a
+Resolves the installed ``_get_mm_prompt_updates`` for one video (stand-ins over a real transformers processor and a
 tiny tokenizer, as :mod:`.mm_placeholders` does), hands the update to the installed
 ``_recompute_cached_prompt_update`` with a new index 1 and reads the index back: ``broken`` if it is still 0,
 ``correct`` if it is 1. Costs a few ms.
@@ -114,9 +114,7 @@ def probe(module: ModuleType) -> Verdict:
         proc = _stand_ins.processor(proc_cls, info)
         video = np.zeros((1, 28, 28, 3), dtype=np.uint8)
         items = MultiModalDataItems({"video": VideoProcessorItems([video])})
-        updates = proc._get_prompt_updates(items, {}, MultiModalKwargsItems({}))
-        update = next(u for u in updates if u.modality == "video")
-        resolved = update.resolve(0)
+        resolved = proc._get_mm_prompt_updates(items, {}, MultiModalKwargsItems({}))["video"][0][0]
         tok = native.tokenizer
         before = _text_of(tok, resolved.content.full)
         if mp.id_prefix(native, 0) not in before:
