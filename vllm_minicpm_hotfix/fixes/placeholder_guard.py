@@ -144,13 +144,15 @@ def item_data(item: Any) -> Mapping[str, Any]:
 
 
 def _grid_and_flag(modality: str, item: Any, hf_config: Any,
-                   config_of: Callable[[], Any] | None = None) -> tuple[list[list[int]], bool] | None:
-    """The item's per-slice ``[h, w]`` patch grid and whether the vit_merger runs for it, or None if it is not
-    judged (an unknown modality, embeddings given directly, no ``tgt_sizes``). With ``config_of``, the model config
-    is ``config_of()``, asked only for an item without a flag. Runs once per item of every request: reads the two
-    fields' tensors (``item.get(name).data``) without :func:`item_data`'s others."""
+                   config_of: Callable[[], Any] | None = None) -> tuple[list[list[int]], bool, int] | None:
+    """The item's per-slice ``[h, w]`` patch grid, whether the vit_merger runs for it, and the vision embeddings that
+    makes (the sum of :func:`embeddings_per_slice`), or None if it is not judged (an unknown modality, embeddings given
+    directly, no ``tgt_sizes``). With ``config_of``, the model config is ``config_of()``, asked only for an item
+    without a flag. Runs once per item of every request, so it reads the two fields' tensors (``item.get(name).data``)
+    without :func:`item_data`'s others, a one-dimensional flag tensor with one call into torch, and sums in one loop."""
     fields = FIELDS.get(modality)
-    get = getattr(plain(item), "get", None)
+    data = getattr(item, "data", None)  # _mm_items.plain, inline: the dict inside vLLM's MultiModalKwargsItem
+    get = getattr(data if type(data) is dict else item, "get", None)
     if fields is None or get is None:
         return None
     sizes = get(fields[0])
@@ -158,21 +160,24 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any,
     if sizes is None:
         return None
     flag = get(fields[1])
-    flag = _flag(getattr(flag, "data", flag))
+    flag = getattr(flag, "data", flag)
+    torch = sys.modules.get("torch")  # a tensor exists only where torch is imported
+    if torch is not None and isinstance(flag, torch.Tensor) and flag.ndim == 1:  # the usual one-element flag
+        values = flag.tolist()
+        flag = any(values) if values else None
+    else:
+        flag = _flag(flag)
     if flag is None:
         flag = default_use_vit_merger(hf_config if config_of is None else config_of())
     if getattr(sizes, "ndim", None) == 2 and sizes.shape[1] == 2:  # already (slices, 2): one call into torch
-        return sizes.tolist(), flag
-    return sizes.reshape(-1, 2).tolist(), flag
-
-
-def _total(grid: list[list[int]], flag: bool) -> int:
-    """The sum of :func:`embeddings_per_slice` over ``grid``, in one loop (once per item of every request)."""
+        grid = sizes.tolist()
+    else:
+        grid = sizes.reshape(-1, 2).tolist()
     total = 0
     for h, w in grid:
         h, w = int(h) // 2, int(w) // 2
         total += (h // 2) * (w // 2) if flag else h * w
-    return total
+    return grid, flag, total
 
 
 def _describe(modality: str, grid: list[list[int]], flag: bool) -> str:
@@ -188,7 +193,8 @@ def expected_embeddings(modality: str, item: Any, hf_config: Any) -> tuple[int, 
     found = _grid_and_flag(modality, item, hf_config)
     if found is None:
         return None
-    return _total(*found), _describe(modality, *found)
+    grid, flag, total = found
+    return total, _describe(modality, grid, flag)
 
 
 @functools.lru_cache(maxsize=64)
@@ -220,59 +226,46 @@ _EMBEDS = WeakMemo()
 
 #: The types of a closure's values that make a plain-data key part as they are (else :func:`_plain` converts).
 _PLAIN = frozenset({type(None), bool, int, str, bytes})
+_INT = frozenset({int})
 _CELL = operator.attrgetter("cell_contents")
-
-
-def _embeds_key(is_embed: Any, full: Any, tokenizer: Any) -> tuple[Any, ...] | None:
-    code = getattr(is_embed, "__code__", None)
-    if code is None or type(is_embed) is not types.FunctionType:
-        return None
-    try:
-        cells = tuple(map(_CELL, is_embed.__closure__ or ()))
-        if not set(map(type, cells)) <= _PLAIN:  # a list of token ids, or a value that is not plain data
-            cells = tuple(map(_plain, cells))
-        key = (code, cells, full if isinstance(full, str) else tuple(full), id(tokenizer))
-        hash(key)
-    except (TypeError, ValueError):  # an empty cell, a value that is not plain data
-        return None
-    return key
 
 
 def _plain(value: Any) -> Any:
     """``value`` as a hashable key part if it is plain data (token ids, a text), else ``TypeError``."""
     if type(value) in _PLAIN:
         return value
-    if isinstance(value, (list, tuple)) and set(map(type, value)) <= {int}:
+    if isinstance(value, (list, tuple)) and set(map(type, value)) <= _INT:
         return tuple(value)
     raise TypeError(type(value).__name__)
 
 
-def _count_embeds(is_embed: Any, tokenizer: Any, full: Any) -> int:
-    """``int(is_embed(...).sum())`` -- vLLM's own mask over ``full`` -- computed once per distinct content."""
-    key = _embeds_key(is_embed, full, tokenizer)
-    objects = (tokenizer,)
-    count = _EMBEDS.get(key, objects) if key is not None else None
-    if count is None:
-        count = int((is_embed(tokenizer, full) if _arity(is_embed) >= 2 else is_embed(full)).sum())
-        if key is not None:
-            _EMBEDS.put(key, objects, count)
-    return count
-
-
 def placeholder_embeds(updates: Sequence[Any], tokenizer: Any) -> int | None:
     """Embedding positions of an item's placeholder: vLLM's own ``is_embed`` mask over the resolved content of the
-    item's first prompt update (all of an item's updates carry the same content), or its length if it has none."""
+    item's first prompt update (all of an item's updates carry the same content), ``int(is_embed(...).sum())``
+    computed once per distinct content (:data:`_EMBEDS`), or the content's length if it has no mask. One frame per
+    item of every request: the memo's key is built here."""
     for update in updates:
         content = getattr(update, "content", None)
         if content is None:
             continue
         full = getattr(content, "full", content)
         is_embed = getattr(content, "is_embed", None)
-        if is_embed is not None:
-            return _count_embeds(is_embed, tokenizer, full)
-        if isinstance(full, str):
-            return len(tokenizer.encode(full, add_special_tokens=False))
-        return len(full)
+        if is_embed is None:
+            return len(tokenizer.encode(full, add_special_tokens=False)) if isinstance(full, str) else len(full)
+        key = None
+        if type(is_embed) is types.FunctionType:
+            try:
+                cells = tuple(map(_plain, map(_CELL, is_embed.__closure__ or ())))
+                key = (is_embed.__code__, cells, full if isinstance(full, str) else tuple(full), id(tokenizer))
+                count = _EMBEDS.get(key, (tokenizer,))  # hashes the key: TypeError where it cannot
+            except (TypeError, ValueError):  # an empty cell, a value that is not plain data
+                key = count = None
+            if count is not None:
+                return count
+        count = int((is_embed(tokenizer, full) if _arity(is_embed) >= 2 else is_embed(full)).sum())
+        if key is not None:
+            _EMBEDS.put(key, (tokenizer,), count)
+        return count
     return None
 
 
@@ -298,7 +291,7 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
             found = _grid_and_flag(modality, item, None, info.get_hf_config)  # the config only without a flag
             if found is None:
                 continue
-            expected = _total(*found)
+            grid, flag, expected = found
             if tokenizer is None:
                 tokenizer = info.get_tokenizer()
             pads = placeholder_embeds(item_updates[pos], tokenizer)
@@ -307,8 +300,9 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
             index = indices[modality][pos] if indices is not None else pos
             pad_text = getattr(tokenizer, FIELDS[modality][2], None) or FIELDS[modality][3]
             raise PlaceholderMismatchError(
-                f"{model_of(processor) or 'MiniCPM-V'}: {modality} item {index} of this request has {pads} {pad_text} placeholder tokens in "
-                f"the prompt, but its processed pixel values give {expected} vision embeddings ({_describe(modality, *found)}). "
+                f"{model_of(processor) or 'MiniCPM-V'}: {modality} item {index} of this request has {pads} "
+                f"{pad_text} placeholder tokens in the prompt, but its processed pixel values give {expected} vision "
+                f"embeddings ({_describe(modality, grid, flag)}). "
                 "vLLM would fail inside the engine on this request (and take every request in flight with it), so "
                 "it is refused; check its mm_processor_kwargs (slice_mode, max_slice_nums, scale_resolution, "
                 "downsample_mode) -- vllm-minicpm-hotfix placeholder_guard"
