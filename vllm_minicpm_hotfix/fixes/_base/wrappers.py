@@ -244,7 +244,7 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
     decided, fix = (acts.decided, acts.fix) if isinstance(acts, ByClass) else (None, None)
     # The call shapes (positional count, keyword names) bound once without error: for a signature of plain and
     # keyword-only parameters whether a call binds depends on its shape alone, and such a call binds by a zip.
-    shapes: set[tuple] = set()
+    shapes: set[Any] = set()  # an int for a call without keywords
     positional = binding.positional if binding is not None else ()
 
     def own(args: tuple, kwargs: dict) -> Any:
@@ -254,26 +254,29 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
 
     def function(*args: Any, **kwargs: Any) -> Any:
         try:
-            instance, rest = (args[0] if args else None, args[1:]) if method else (None, args)
+            instance = args[0] if method and args else None
             if decided is not None:
                 try:  # ByClass's kept decision, read inline (subscripts: no call on the request path)
                     against, ok = decided[type(instance)]
                     if against is not (_ACTIVE[name] if name in _ACTIVE else getattr(fix, "MODELS", None)):
                         raise KeyError(name)
                 except KeyError:
-                    ok = acts(instance, rest, kwargs)
+                    ok = acts(instance, args[1:] if method else args, kwargs)
                 if not ok:
                     return own(args, kwargs)
-            elif acts is not None and not acts(instance, rest, kwargs):  # a resolver: judged on every call
+            elif acts is not None and not acts(instance, args[1:] if method else args, kwargs):  # a resolver
                 return own(args, kwargs)
             if kind == "replace":
                 return behaviour(*args, **kwargs)
+            rest = args[1:] if method else args
             wrapped = MethodType(original, instance) if method else original
             if binding is None:
                 return behaviour(wrapped, instance, rest, kwargs)
-            shape = (len(args), *kwargs)
+            shape = (len(args), *kwargs) if kwargs else len(args)  # the positional count alone: no tuple
             if shape in shapes:
-                call = Call(zip(positional, args), **kwargs)
+                call = Call(zip(positional, args))
+                if kwargs:
+                    call.update(kwargs)
             else:
                 try:
                     call = Call(binding.arguments(args, kwargs))
