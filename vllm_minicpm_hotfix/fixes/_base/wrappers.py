@@ -238,9 +238,8 @@ def _counted(name: str, exc: Refusal) -> Any:
 
 def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, method: bool,
            binding: Binding | None) -> Any:
-    """The plain function that runs ``behaviour`` for the calls ``acts`` selects and ``original`` for the others; a
-    :class:`Refusal` from the behaviour is counted for fix ``name``. One frame per call on the request path: a
-    :class:`ByClass` policy's kept decision and a binding of positional arguments only are read inline."""
+    """The plain function that runs ``behaviour`` for the calls ``acts`` selects and ``original`` for the others
+    (counting a :class:`Refusal` for fix ``name``); one frame per call: a kept decision and a zip binding inline."""
     decided, fix = (acts.decided, acts.fix) if isinstance(acts, ByClass) else (None, None)
     # The call shapes (positional count, keyword names) bound once without error: for a signature of plain and
     # keyword-only parameters whether a call binds depends on its shape alone, and such a call binds by a zip.
@@ -254,29 +253,27 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
 
     def function(*args: Any, **kwargs: Any) -> Any:
         try:
-            instance = args[0] if method and args else None
+            instance, rest = (args[0] if args else None, args[1:]) if method else (None, args)
             if decided is not None:
                 try:  # ByClass's kept decision, read inline (subscripts: no call on the request path)
                     against, ok = decided[type(instance)]
                     if against is not (_ACTIVE[name] if name in _ACTIVE else getattr(fix, "MODELS", None)):
                         raise KeyError(name)
                 except KeyError:
-                    ok = acts(instance, args[1:] if method else args, kwargs)
+                    ok = acts(instance, rest, kwargs)
                 if not ok:
                     return own(args, kwargs)
-            elif acts is not None and not acts(instance, args[1:] if method else args, kwargs):  # a resolver
+            elif acts is not None and not acts(instance, rest, kwargs):  # a resolver: judged on every call
                 return own(args, kwargs)
             if kind == "replace":
                 return behaviour(*args, **kwargs)
-            rest = args[1:] if method else args
             wrapped = MethodType(original, instance) if method else original
             if binding is None:
                 return behaviour(wrapped, instance, rest, kwargs)
             shape = (len(args), *kwargs) if kwargs else len(args)  # the positional count alone: no tuple
             if shape in shapes:
                 call = Call(zip(positional, args))
-                if kwargs:
-                    call.update(kwargs)
+                call.update(kwargs)  # no empty dict made where there are none, as Call(..., **kwargs) makes
             else:
                 try:
                     call = Call(binding.arguments(args, kwargs))
