@@ -121,7 +121,7 @@ _PLACEHOLDERS = WeakMemo()
 
 
 #: The arguments vLLM may pass a placeholder method explicitly, in the order :func:`image_placeholder` takes their
-#: values.
+#: values (``use_image_id`` last: a pad count passes False for it).
 EXPLICIT = ("max_slice_nums", "downsample_mode", "use_image_id")
 
 
@@ -152,7 +152,7 @@ def image_placeholder(info: Any, image_size: Any, idx: int, explicit: tuple, *, 
                 return mp.image_text_of_crops(hf, ip, (*hw, *crops), eff, idx)
             except ValueError:  # vLLM and transformers disagree on the item: placeholder_guard's to refuse
                 pass
-        return mp.image_text(hf, ip, hw, eff, idx)
+        key = None  # a text for such an image is never kept
     text = mp.image_text(hf, ip, hw, eff, idx)
     if key is not None:
         _PLACEHOLDERS.put(key, (ctx,), text)
@@ -218,14 +218,14 @@ def get_slice_image_placeholder(wrapped: Any, instance: Any, call: Call) -> str:
     """Instead of ``MiniCPMV4_6ProcessingInfo.get_slice_image_placeholder(self, image_size, image_idx=0,
     max_slice_nums=None, use_image_id=True, downsample_mode=None) -> str``: transformers' text
     (:func:`image_placeholder`); arguments vLLM passes explicitly win over the request's kwargs."""
-    explicit = (call.get("max_slice_nums"), call.get("downsample_mode"), call.get("use_image_id"))  # EXPLICIT
+    explicit = tuple(map(call.get, EXPLICIT))
     return image_placeholder(instance, call["image_size"], int(call.get("image_idx", 0) or 0), explicit)
 
 
 def get_num_image_tokens(wrapped: Any, instance: Any, call: Call) -> int:
     """Instead of ``MiniCPMV4_6ProcessingInfo.get_num_image_tokens(self, image_size, max_slice_nums=None,
     downsample_mode=None) -> int``: the number of ``<|image_pad|>`` in :func:`image_placeholder`'s text."""
-    explicit = (call.get("max_slice_nums"), call.get("downsample_mode"), False)  # EXPLICIT
+    explicit = (*map(call.get, EXPLICIT[:-1]), False)  # no <image_id>: only pads are counted
     text = image_placeholder(instance, call["image_size"], 0, explicit, from_item=False)
     return text.count(mp.token(_native(instance), "image_token"))
 
@@ -240,9 +240,9 @@ def get_video_prompt_texts(wrapped: Any, instance: Any, call: Call) -> str:
 
 def ocr_get_prompt_updates(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Instead of vLLM 0.33's ``MiniCPMOcrMultiModalProcessor._get_prompt_updates(self, mm_items,
-    hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptUpdate]``: the 4.6 class's (this fix's
-    vLLM's own), whose image text is transformers' laid out from the item's crops. vLLM's override
-    puts a text of its own in place of each image's (also from the crops) that keeps ``<image_id>`` under
+    hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptUpdate]``: the 4.6 class's (vLLM's own, whose replacements
+    this fix resolves with the request set), whose image text is transformers' laid out from the item's crops. vLLM's
+    override puts a text of its own in place of each image's (also from the crops) that keeps ``<image_id>`` under
     ``use_image_id: false`` and the sliced layout under ``slice_mode: false``."""
     base = base_named(instance, PROCESSOR_CLASS)
     if base is None:

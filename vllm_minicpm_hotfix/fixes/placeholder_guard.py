@@ -149,10 +149,9 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any,
     makes (the sum of :func:`embeddings_per_slice`), or None if it is not judged (an unknown modality, embeddings given
     directly, no ``tgt_sizes``). With ``config_of``, the model config is ``config_of()``, asked only for an item
     without a flag. Runs once per item of every request, so it reads the two fields' tensors (``item.get(name).data``)
-    without :func:`item_data`'s others, a one-dimensional flag tensor with one call into torch, and sums in one loop."""
+    without :func:`item_data`'s others, and sums in one loop."""
     fields = FIELDS.get(modality)
-    data = getattr(item, "data", None)  # _mm_items.plain, inline: the dict inside vLLM's MultiModalKwargsItem
-    get = getattr(data if type(data) is dict else item, "get", None)
+    get = getattr(plain(item), "get", None)
     if fields is None or get is None:
         return None
     sizes = get(fields[0])
@@ -160,13 +159,7 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any,
     if sizes is None:
         return None
     flag = get(fields[1])
-    flag = getattr(flag, "data", flag)
-    torch = sys.modules.get("torch")  # a tensor exists only where torch is imported
-    if torch is not None and isinstance(flag, torch.Tensor) and flag.ndim == 1:  # the usual one-element flag
-        values = flag.tolist()
-        flag = any(values) if values else None
-    else:
-        flag = _flag(flag)
+    flag = _flag(getattr(flag, "data", flag))
     if flag is None:
         flag = default_use_vit_merger(hf_config if config_of is None else config_of())
     if getattr(sizes, "ndim", None) == 2 and sizes.shape[1] == 2:  # already (slices, 2): one call into torch
