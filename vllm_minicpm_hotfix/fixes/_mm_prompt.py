@@ -71,6 +71,10 @@ class Request(NamedTuple):
 
 REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("vllm_minicpm_hotfix_mm_request", default=None)
 
+#: ``request((items, kwargs, out))`` is ``Request(items, kwargs, out)`` without the Python frame of a NamedTuple's
+#: ``__new__`` (``tuple.__new__``, as that ``__new__`` itself calls it): made once per call on the request path.
+request = functools.partial(tuple.__new__, Request)
+
 
 #: The request's ``mm_processor_kwargs`` while vLLM turns its items into tensors (``process_mm_inputs``).
 PROCESSING: contextvars.ContextVar[Mapping[str, object] | None] = contextvars.ContextVar(

@@ -131,7 +131,7 @@ def image_placeholder(info: Any, image_size: Any, idx: int, explicit: tuple, *, 
     ``image_size`` is vLLM's ``ImageSize(width, height)``; with ``from_item`` the size read from the request's own
     item ``idx`` wins where there is one (vLLM 0.22-0.23 read an HWC array's size as CHW). ``explicit``: the values of
     :data:`EXPLICIT` vLLM passed (None where it did not), which win over the request's kwargs."""
-    request = mp.current()
+    request = mp.REQUEST.get()  # mp.current() without its frame: once per image of every request
     hw = (mp.image_item_hw(request, idx) if from_item else None) or (int(image_size.height), int(image_size.width))
     ctx = info.ctx
     given = request.kwargs if request else None
@@ -183,8 +183,8 @@ def get_mm_prompt_updates(wrapped: Any, instance: Any, call: Call) -> Any:
     of ``_get_prompt_updates``: ``_bind_and_group_updates`` resolves every update per item at once
     (``PromptUpdate.resolve`` calls its replacement, 0.22-0.33), and a resolved update holds text, not a callable.
     So every placeholder of the call is laid out for this request, and nothing is copied per request."""
-    request = mp.Request(call.get("mm_items"), call.get("hf_processor_mm_kwargs") or {}, call.get("out_mm_kwargs"))
-    token = mp.REQUEST.set(request)
+    token = mp.REQUEST.set(mp.request((call.get("mm_items"), call.get("hf_processor_mm_kwargs") or {},
+                                       call.get("out_mm_kwargs"))))
     try:
         return wrapped(*call.args, **call.kwargs)
     finally:

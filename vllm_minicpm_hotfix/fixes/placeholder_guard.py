@@ -209,11 +209,11 @@ def _arity(fn: Any) -> int:
 
 
 #: Embedding positions :func:`placeholder_embeds` counted, per (``is_embed``'s code, its closure's values, the
-#: content, the tokenizer). ``is_embed`` is vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_text``
+#: content, the processing info). ``is_embed`` is vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_text``
 #: closure, made anew per request and a pure function of its closure and its arguments, and a server sees the same
 #: few contents (one per image size and kwargs) over and over; skipped for a closure whose values are not plain data.
-#: The tokenizer is part of every key (whether ``is_embed`` takes it or not), so that a hit needs no look at
-#: ``is_embed``'s parameters.
+#: The processing info (whose context holds the one tokenizer ``is_embed`` may take) is part of every key, so that a
+#: hit needs neither the tokenizer nor a look at ``is_embed``'s parameters.
 _EMBEDS = WeakMemo()
 
 
@@ -232,11 +232,11 @@ def _plain(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 
 
-def placeholder_embeds(updates: Sequence[Any], tokenizer: Any) -> int | None:
+def placeholder_embeds(updates: Sequence[Any], info: Any) -> int | None:
     """Embedding positions of an item's placeholder: vLLM's own ``is_embed`` mask over the resolved content of the
-    item's first prompt update (all of an item's updates carry the same content), ``int(is_embed(...).sum())``
-    computed once per distinct content (:data:`_EMBEDS`), or the content's length if it has no mask. One frame per
-    item of every request: the memo's key is built here."""
+    item's first prompt update (all of an item's updates carry the same content), ``int(is_embed(...).sum())`` with
+    ``info.get_tokenizer()`` (vLLM's ``ProcessingInfo``) computed once per distinct content (:data:`_EMBEDS`), or the
+    content's length if it has no mask. One frame per item of every request: the memo's key is built here."""
     for update in updates:
         content = getattr(update, "content", None)
         if content is None:
@@ -244,20 +244,24 @@ def placeholder_embeds(updates: Sequence[Any], tokenizer: Any) -> int | None:
         full = getattr(content, "full", content)
         is_embed = getattr(content, "is_embed", None)
         if is_embed is None:
-            return len(tokenizer.encode(full, add_special_tokens=False)) if isinstance(full, str) else len(full)
+            return len(info.get_tokenizer().encode(full, add_special_tokens=False)) if isinstance(full, str) \
+                else len(full)
         key = None
         if type(is_embed) is types.FunctionType:
             try:
-                cells = tuple(map(_plain, map(_CELL, is_embed.__closure__ or ())))
-                key = (is_embed.__code__, cells, full if isinstance(full, str) else tuple(full), id(tokenizer))
-                count = _EMBEDS.get(key, (tokenizer,))  # hashes the key: TypeError where it cannot
+                cells = tuple(map(_CELL, is_embed.__closure__ or ()))
+                if not set(map(type, cells)) <= _PLAIN:  # the usual closure (token ids, texts) needs no conversion
+                    cells = tuple(map(_plain, cells))
+                key = (is_embed.__code__, cells, full if isinstance(full, str) else tuple(full), id(info))
+                count = _EMBEDS.get(key, (info,))  # hashes the key: TypeError where it cannot
             except (TypeError, ValueError):  # an empty cell, a value that is not plain data
                 key = count = None
             if count is not None:
                 return count
+        tokenizer = info.get_tokenizer()
         count = int((is_embed(tokenizer, full) if _arity(is_embed) >= 2 else is_embed(full)).sum())
         if key is not None:
-            _EMBEDS.put(key, (tokenizer,), count)
+            _EMBEDS.put(key, (info,), count)
         return count
     return None
 
@@ -273,7 +277,6 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
         indices: modality -> the request-level index of each item (default: its position).
     """
     info = processor.info
-    tokenizer = None
     for modality, items in plain(kwargs).items():
         if modality not in FIELDS:
             continue
@@ -285,13 +288,11 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
             if found is None:
                 continue
             grid, flag, expected = found
-            if tokenizer is None:
-                tokenizer = info.get_tokenizer()
-            pads = placeholder_embeds(item_updates[pos], tokenizer)
+            pads = placeholder_embeds(item_updates[pos], info)
             if pads is None or pads == expected:
                 continue
             index = indices[modality][pos] if indices is not None else pos
-            pad_text = getattr(tokenizer, FIELDS[modality][2], None) or FIELDS[modality][3]
+            pad_text = getattr(info.get_tokenizer(), FIELDS[modality][2], None) or FIELDS[modality][3]
             raise PlaceholderMismatchError(
                 f"{model_of(processor) or 'MiniCPM-V'}: {modality} item {index} of this request has {pads} "
                 f"{pad_text} placeholder tokens in the prompt, but its processed pixel values give {expected} vision "

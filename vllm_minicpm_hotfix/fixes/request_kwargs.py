@@ -515,8 +515,9 @@ def check_request(processor: Any, inputs: Any) -> None:
     """All the checks of the module docstring for one call of ``apply`` (raises :class:`RequestKwargsError`)."""
     if not processor.__dict__.get(_MODEL_CHECKED_ATTR):  # once per processor
         check_model_level(processor, model_of(processor) or "MiniCPM-V")
-    request = dict(getattr(inputs, "hf_processor_mm_kwargs", None) or {})
-    if request:
+    given = getattr(inputs, "hf_processor_mm_kwargs", None)
+    if given:
+        request = dict(given)
         model = model_of(processor) or "MiniCPM-V"  # the name its refusals give; only where there is a request to judge
         # The type and fixed-key checks need no bounds: run them before reading the profile.
         check_kwargs(request, {"types_only": True, "fixed": fixed_keys()}, model)

@@ -241,8 +241,7 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
     """The plain function that runs ``behaviour`` for the calls ``acts`` selects and ``original`` for the others
     (counting a :class:`Refusal` for fix ``name``); one frame per call: a kept decision and a zip binding inline."""
     decided, fix = (acts.decided, acts.fix) if isinstance(acts, ByClass) else (None, None)
-    # The call shapes (positional count, keyword names) bound once without error: for a signature of plain and
-    # keyword-only parameters whether a call binds depends on its shape alone, and such a call binds by a zip.
+    # Call shapes (positional count, keyword names) that bound once: for plain parameters such a shape binds by a zip.
     shapes: set[Any] = set()  # an int for a call without keywords
     positional = binding.positional if binding is not None else ()
 
@@ -273,7 +272,8 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
             shape = (len(args), *kwargs) if kwargs else len(args)  # the positional count alone: no tuple
             if shape in shapes:
                 call = Call(zip(positional, args))
-                call.update(kwargs)  # no empty dict made where there are none, as Call(..., **kwargs) makes
+                if kwargs:  # no empty dict made or merged where there are none
+                    call.update(kwargs)
             else:
                 try:
                     call = Call(binding.arguments(args, kwargs))
