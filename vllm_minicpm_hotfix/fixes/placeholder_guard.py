@@ -117,9 +117,8 @@ def _flag(value: Any) -> bool | None:
         return None
     torch = sys.modules.get("torch")  # a tensor exists only where torch is imported
     if torch is not None and isinstance(value, torch.Tensor):
-        ndim = value.ndim
-        value = value.tolist()  # one call into torch: any element true (None when empty), as below for lists
-        if ndim == 1:  # a flat list of numbers (the usual one-element flag): what the recursion below gives
+        value = value.tolist()  # the one call into torch: any element true (None when empty), as below for lists
+        if type(value) is list and (not value or type(value[0]) is not list):  # 1-D (the usual one-element flag)
             return any(value) if value else None
     if isinstance(value, (list, tuple)):
         flags = [_flag(v) for v in value]
