@@ -58,19 +58,28 @@ def free_port() -> int:
 class Server:
     """``vllm serve TINY`` started in its own process group (API server, EngineCore and worker all in it)."""
 
+    #: Fresh starts :meth:`wait_healthy` makes where vLLM could not bind its port: :func:`free_port` finds a port free,
+    #: vLLM binds it seconds later (after its imports), and another job's processes on this machine (two test sessions
+    #: run at a time, each with servers and engines on ports of their own) may take it in between.
+    RESTARTS = 2
+
     def __init__(self, python: Path | str, env: dict[str, str], log_path: Path, cwd: Path, args: list[str],
                  model: Path | str = TINY) -> None:
-        self.port = free_port()
         self.model = str(model)
         #: The server's ``--api-key`` (the clients of :func:`client` send it), if ``args`` give one.
         self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - open as long as the server runs; closed by stop()
-        self.proc = subprocess.Popen(
-            [str(python), str(ENTRY), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
-             *args],
-            env={**env, **SERVER_ENV}, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        self._command = [str(python), str(ENTRY), "serve", self.model, "--host", "127.0.0.1", "--port", None, *args]
+        self._env, self._cwd = {**env, **SERVER_ENV}, cwd
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.port = free_port()
+        command = [str(self.port) if part is None else part for part in self._command]
+        self.proc = subprocess.Popen(command, env=self._env, cwd=self._cwd, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.started_at = time.monotonic()
 
     @property
@@ -86,6 +95,17 @@ class Server:
         deadline = self.started_at + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self.restarts < self.RESTARTS and "Address already in use" in self.log():
+                    # Its port was taken before vLLM bound it: the same command on another port, the log holding
+                    # only the new start's lines (tests read the PIDs and lines of one server's processes).
+                    self._end_group()
+                    self._log.seek(0)
+                    self._log.truncate()
+                    self._log.write(f"[tests] port {self.port} was taken before vLLM bound it: restarted\n".encode())
+                    self._log.flush()
+                    self.restarts += 1
+                    self._start()
+                    return self.wait_healthy(timeout)
                 return False
             if healthy(self, timeout=5):
                 return True
@@ -110,6 +130,10 @@ class Server:
     def stop(self) -> None:
         """SIGTERM to the whole process group (API server, EngineCore, worker), SIGKILL to whatever is left after
         STOP_WITHIN_S; returns once the group is gone (or after another 10 s)."""
+        self._end_group()
+        self._log.close()
+
+    def _end_group(self) -> None:
         for sig, grace in ((signal.SIGTERM, STOP_WITHIN_S), (signal.SIGKILL, 10)):
             if not self._group_alive():
                 break
@@ -121,7 +145,6 @@ class Server:
                     self.proc.wait(timeout=0.5)  # reap the leader, or the group never looks empty
                 if self.proc.returncode is not None and not self._group_alive():
                     break
-        self._log.close()
 
 
 @contextlib.contextmanager
