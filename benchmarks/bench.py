@@ -22,8 +22,8 @@ alternating, as medians with their ratio B/A and a 95% bootstrap interval.
    (benchmarks/hook_child.py), every probe at import (A) against as shipped, some probed at first use (B); target:
    B's whole hook at most 20 ms of CPU (issue 31).
 5. request: vLLM's multimodal processor ``apply`` per case (4 image sizes, a video, each per-request kwarg), every
-   fix reverted (A) and applied (B) alternating call by call in one process (benchmarks/request_inproc.py), 0.32.0
-   and 0.33.0.
+   fix reverted (A) and in place as the post-import hook and vLLM's first processor left it (B), alternating call by
+   call in one process (benchmarks/request_inproc.py), 0.32.0 and 0.33.0.
 6. serve: real ``vllm serve`` on 0.32.0, stock (A) against the hotfix pip-installed (B), default-kwarg image requests
    at concurrency 4 (benchmarks/serve_bench.py): wall per request (1 / throughput), time to first token, server CPU.
 7. mixed: a sustained, seeded mixed load through real ``vllm serve`` on 0.32.0 at concurrency 8, stock (A) against the
@@ -492,7 +492,31 @@ def bench_request(pythons: dict[str, str], releases: list[str], rounds: int, rep
                          "title": f"processor `apply` CPU, vLLM {rel}: {name}{note}",
                          "cpu": compare(c["A"], c["B"]), "wall": compare(c["A_wall"], c["B_wall"])})
         rows[-1]["applied"] = res["applied"]
+        rows[-1]["release"] = rel
     return rows
+
+
+def request_text(rows: list[dict]) -> str:
+    """Section 5's detail: the fixes B had in place per release, and each row's median of the per-round ratios (A
+    and B of a round measured call by call in alternation) with its interval, next to the table's ratio of medians."""
+    rows = [r for r in rows if r.get("section") == 5]
+    if not rows:
+        return ""
+    out = ["Per-request detail. B's fixes in place (applied by the hook and at vLLM's first processor, checked by "
+           "request_inproc.py before any call is timed): "
+           + "; ".join(f"vLLM {r['release']}: {', '.join(r['applied'])}" for r in rows if r.get("applied")) + ".",
+           "The table's ratio is the ratio of the medians of the rounds (the target's figure); the median of the "
+           "per-round ratios B/A is shown beside it, with its interval (information):", "",
+           "| case | ratio of medians [95% CI] | median of per-round ratios [95% CI] |", "|---|---|---|"]
+    for r in rows:
+        c = r.get("cpu")
+        if not c:
+            continue
+        lo, hi = c["ratio_ci95"]
+        plo, phi = c.get("paired_ratio_ci95", (float("nan"), float("nan")))
+        out.append(f"| {r['title'].removeprefix('processor `apply` CPU, ')} | {c['ratio']:.3f} [{lo:.3f}, {hi:.3f}] | "
+                   f"{c['paired_ratio_median']:.3f} [{plo:.3f}, {phi:.3f}] |")
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -976,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hook-pairs", type=int, default=10,
                     help="pairs of fresh processes per release, eager and deferred probes (default 10)")
     ap.add_argument("--request-releases", default="0.32.0,0.33.0", help="releases of the per-request benchmark")
-    ap.add_argument("--request-rounds", type=int, default=16, help="rounds, per request (default 16)")
+    ap.add_argument("--request-rounds", type=int, default=96, help="rounds, per request (default 96)")
     ap.add_argument("--request-reps", type=int, default=5,
                     help="calls per case, state and round, A and B alternating call by call, the min kept (default 5)")
     ap.add_argument("--serve-rounds", type=int, default=2, help="rounds of one stock and one hotfix server (default 2)")
@@ -1122,7 +1146,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(rows))
     for make in (lambda: startup_text(rows), lambda: breakdown_text(breakdown, import_row), lambda: load_text(rows),
-                 lambda: hook_text(hook_detail), lambda: mixed_text(mixed_detail)):
+                 lambda: hook_text(hook_detail), lambda: request_text(rows), lambda: mixed_text(mixed_detail)):
         try:
             text = make()
         except Exception as exc:  # noqa: BLE001 - a detail paragraph must not cost the table

@@ -123,6 +123,7 @@ def compare(a: Sequence[float], b: Sequence[float]) -> dict:
         "ratio": mb / ma if ma else float("nan"),
         "ratio_ci95": [lo, hi],
         "paired_ratio_median": median([y / x for x, y in zip(a, b) if x]),
+        "paired_ratio_ci95": list(median_ci([y / x for x, y in zip(a, b) if x])),
         "a_min": min(a) if a else float("nan"),
         "b_min": min(b) if b else float("nan"),
     }

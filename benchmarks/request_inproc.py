@@ -12,13 +12,21 @@ thread, no processor cache (every call does the full work), the garbage collecto
 before it (as ``timeit`` does: a collection lands in whichever call triggers it, and is not that call's work), the
 objects of the imported libraries frozen first (``gc.freeze``: the millions of them are not scanned per collection).
 
-B is the post-import hook run on the model module as in vLLM's processes (``auto``), A is ``fixes._base.revert()``
-of it; the switch happens between calls, outside the timed region, and is followed by one untimed call (so that
-the switch's own work, the hook's probes, is out of the caches before a timed call in either state). ``ROUNDS`` rounds; in each, per case, ``REPS``
-calls in each state, alternating call by call (A B, B A, A B ...), so that A and B share the processor, the
-allocator's state and the machine's moment; each state's measurement of the case in the round is the minimum of its
-``REPS`` calls (the least disturbed by other load). Prints one JSON object (last line): per case the per-round minima
-of A and B, and the prompt length each state built.
+B is what a vLLM process has after the post-import hook (``auto``): the hook is run on the model module once, at the
+start, and the first processor is built after it, so the fixes probed at vLLM's first processor (the processor
+path's group: every fix on the request path) are probed and applied as in vLLM. The values the fixes then set
+(:data:`fixes._base.patching._ORIGINALS`: each attribute's value before the first fix set it, and the value in place
+now) are kept, and a switch of state sets one or the other on vLLM's classes: the same few ``setattr`` both ways,
+no probe, no hook, so that neither state pays a switch the other does not. (Until 2026-12-06 a switch to B ran the
+hook again; after the processor-path group was deferred to vLLM's first processor (2026-12-05) its fixes then waited
+for a processor that was never built, and B ran without them: see docs/benchmarks.md.) The run stops with an error
+if B lacks a fix of the request path that the hook applied, or A has one. The switch happens between calls, outside
+the timed region (an A/A run, both states vLLM's values, gave 1.003 [0.992, 1.011] on 448x448 over 120 rounds: the
+switch charges neither state). ``ROUNDS`` rounds; in each, per case, ``REPS`` calls in each
+state, alternating call by call (A B, B A, A B ...), so that A and B share the processor, the allocator's state and
+the machine's moment; each state's measurement of the case in the round is the minimum of its ``REPS`` calls (the
+least disturbed by other load). Prints one JSON object (last line): per case the per-round minima of A and B, and
+the prompt length each state built; the fixes applied in B.
 """
 
 import dataclasses
@@ -30,7 +38,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+#: An attribute the owner did not define before a fix set it.
+MISSING: Any = type("MISSING", (), {"__repr__": lambda self: "MISSING"})()
 SIZES = ((448, 448), (1024, 768), (1920, 1080), (4032, 3024))
 VIDEO = (4, 640, 480)  # frames, width, height
 KWARG_SIZE = (1024, 768)
@@ -96,6 +107,42 @@ def call(proc, modality: str, items: list, kwargs: dict) -> int:
     return len(proc.apply(ProcessorInputs(**inputs), TimingContext(enabled=False))["prompt_token_ids"])
 
 
+def put(values: list[tuple[Any, str, Any]]) -> None:
+    """Set each ``(owner, attribute, value)`` (delete the owner's own attribute where ``value`` is ``MISSING``)."""
+    for owner, attr, value in values:
+        if value is MISSING:
+            if attr in vars(owner):
+                delattr(owner, attr)
+        else:
+            setattr(owner, attr, value)
+
+
+def states_of(applied: list[str]) -> dict[str, list[tuple[Any, str, Any]]]:
+    """``{"A": [(owner, attribute, vLLM's value)], "B": [(owner, attribute, the value in place now)]}`` for every
+    attribute a fix has set (``MISSING``: the owner did not define it). Raises ``RuntimeError`` if the hook applied
+    no fix of the request path (``fixes.REQUEST_PATH``), or if a switch does not leave each state as it should be."""
+    from vllm_minicpm_hotfix import fixes
+    from vllm_minicpm_hotfix.fixes._base import patching
+
+    first: dict[tuple[Any, str], Any] = {}
+    for saved in patching._ORIGINALS.values():  # in the order applied: the first fix's is vLLM's own value
+        for key, value in saved.items():
+            first.setdefault(key, value)
+    states = {"A": [], "B": []}
+    for (owner, attr), value in first.items():
+        states["A"].append((owner, attr, MISSING if value is patching._MISSING else value))
+        states["B"].append((owner, attr, vars(owner).get(attr, MISSING)))
+    on_path = sorted({name for _, name, _ in fixes.REQUEST_PATH} & set(applied))
+    if not on_path:
+        raise RuntimeError(f"B applies no fix of the request path (applied: {applied}): nothing to measure")
+    for state in "AB":
+        put(states[state])
+        marked = {getattr(vars(owner).get(attr), patching.MARKER_ATTR, None) for owner, attr, _ in states["B"]}
+        if (state == "A" and marked - {None}) or (state == "B" and not set(on_path) <= marked):
+            raise RuntimeError(f"state {state}: the fixes in place are {sorted(marked - {None})}")
+    return states
+
+
 def main(repo: str, rounds: int, reps: int) -> dict:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     sys.path.insert(0, repo)
@@ -112,16 +159,15 @@ def main(repo: str, rounds: int, reps: int) -> dict:
         ckpt = real_geometry(Path(repo), work / "ckpt")
         todo = cases()
         res = {name: {"A": [], "B": [], "A_wall": [], "B_wall": [], "tokens": {}, "error": {}} for name, *_ in todo}
-        applied: list[str] = []
+        hook.on_import(m46)  # as in every vLLM process: the hook at the model module's import ...
+        make_processor(ckpt)  # ... and the processor-path group probed and applied at vLLM's first processor
+        applied = [n for n, e in record.current().fixes.items() if e.applied]
+        states = states_of(applied)
         gc.collect()
         gc.freeze()  # vLLM's, torch's and transformers' objects: never scanned again, so a collection is cheap
 
         def set_state(state: str) -> None:
-            _base.revert(m46)
-            record._STATUS = None
-            if state == "B":
-                hook.on_import(m46)
-                applied[:] = [n for n, e in record.current().fixes.items() if e.applied]
+            put(states[state])
 
         def timed(proc, modality, items, kwargs) -> tuple[float, float, int]:
             gc.collect()
@@ -154,7 +200,6 @@ def main(repo: str, rounds: int, reps: int) -> dict:
                     for k in range(reps):
                         for state in (("A", "B") if k % 2 == 0 else ("B", "A")):
                             set_state(state)
-                            call(proc, modality, items, kwargs)  # untimed: the switch's own work out of the caches
                             cpu, wall, n = timed(proc, modality, items, kwargs)
                             best[state] = [min(best[state][0], cpu), min(best[state][1], wall)]
                             r["tokens"][state] = n
@@ -164,6 +209,7 @@ def main(repo: str, rounds: int, reps: int) -> dict:
                 except Exception as exc:  # noqa: BLE001
                     r["error"]["A/B"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(f"[request bench] round {i + 1}/{rounds}", file=sys.stderr, flush=True)
+        set_state("A")
         _base.revert(m46)
         import vllm
 
