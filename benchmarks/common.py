@@ -115,6 +115,7 @@ def compare(a: Sequence[float], b: Sequence[float]) -> dict:
     """Medians of A and B, their difference and ratio, the 95% interval of the ratio, and the median paired ratio."""
     ma, mb = median(a), median(b)
     lo, hi = bootstrap_ratio_ci(a, b)
+    paired = [y / x for x, y in zip(a, b) if x]
     return {
         "n": len(a),
         "a_median": ma,
@@ -122,8 +123,8 @@ def compare(a: Sequence[float], b: Sequence[float]) -> dict:
         "delta": mb - ma,
         "ratio": mb / ma if ma else float("nan"),
         "ratio_ci95": [lo, hi],
-        "paired_ratio_median": median([y / x for x, y in zip(a, b) if x]),
-        "paired_ratio_ci95": list(median_ci([y / x for x, y in zip(a, b) if x])),
+        "paired_ratio_median": median(paired),
+        "paired_ratio_ci95": list(median_ci(paired)),
         "a_min": min(a) if a else float("nan"),
         "b_min": min(b) if b else float("nan"),
     }

@@ -40,8 +40,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: An attribute the owner did not define before a fix set it.
-MISSING: Any = type("MISSING", (), {"__repr__": lambda self: "MISSING"})()
 SIZES = ((448, 448), (1024, 768), (1920, 1080), (4032, 3024))
 VIDEO = (4, 640, 480)  # frames, width, height
 KWARG_SIZE = (1024, 768)
@@ -107,20 +105,12 @@ def call(proc, modality: str, items: list, kwargs: dict) -> int:
     return len(proc.apply(ProcessorInputs(**inputs), TimingContext(enabled=False))["prompt_token_ids"])
 
 
-def put(values: list[tuple[Any, str, Any]]) -> None:
-    """Set each ``(owner, attribute, value)`` (delete the owner's own attribute where ``value`` is ``MISSING``)."""
-    for owner, attr, value in values:
-        if value is MISSING:
-            if attr in vars(owner):
-                delattr(owner, attr)
-        else:
-            setattr(owner, attr, value)
-
-
 def states_of(applied: list[str]) -> dict[str, list[tuple[Any, str, Any]]]:
     """``{"A": [(owner, attribute, vLLM's value)], "B": [(owner, attribute, the value in place now)]}`` for every
-    attribute a fix has set (``MISSING``: the owner did not define it). Raises ``RuntimeError`` if the hook applied
-    no fix of the request path (``fixes.REQUEST_PATH``), or if a switch does not leave each state as it should be."""
+    attribute a fix has set (``patching._MISSING``: the owner did not define it), each list set in place by the
+    framework's own ``patching._undo`` (a value, or the owner's own attribute deleted for ``_MISSING``). Raises
+    ``RuntimeError`` if the hook applied no fix of the request path (``fixes.REQUEST_PATH``), or if a switch does not
+    leave each state as it should be."""
     from vllm_minicpm_hotfix import fixes
     from vllm_minicpm_hotfix.fixes._base import patching
 
@@ -130,13 +120,13 @@ def states_of(applied: list[str]) -> dict[str, list[tuple[Any, str, Any]]]:
             first.setdefault(key, value)
     states = {"A": [], "B": []}
     for (owner, attr), value in first.items():
-        states["A"].append((owner, attr, MISSING if value is patching._MISSING else value))
-        states["B"].append((owner, attr, vars(owner).get(attr, MISSING)))
+        states["A"].append((owner, attr, value))
+        states["B"].append((owner, attr, vars(owner).get(attr, patching._MISSING)))
     on_path = sorted({name for _, name, _ in fixes.REQUEST_PATH} & set(applied))
     if not on_path:
         raise RuntimeError(f"B applies no fix of the request path (applied: {applied}): nothing to measure")
     for state in "AB":
-        put(states[state])
+        patching._undo(states[state])
         marked = {getattr(vars(owner).get(attr), patching.MARKER_ATTR, None) for owner, attr, _ in states["B"]}
         if (state == "A" and marked - {None}) or (state == "B" and not set(on_path) <= marked):
             raise RuntimeError(f"state {state}: the fixes in place are {sorted(marked - {None})}")
@@ -153,6 +143,7 @@ def main(repo: str, rounds: int, reps: int) -> dict:
 
     from vllm_minicpm_hotfix import hook, record
     from vllm_minicpm_hotfix.fixes import _base
+    from vllm_minicpm_hotfix.fixes._base import patching
 
     work = Path(tempfile.mkdtemp(prefix="vmh-request-bench."))
     try:
@@ -167,7 +158,7 @@ def main(repo: str, rounds: int, reps: int) -> dict:
         gc.freeze()  # vLLM's, torch's and transformers' objects: never scanned again, so a collection is cheap
 
         def set_state(state: str) -> None:
-            put(states[state])
+            patching._undo(states[state])
 
         def timed(proc, modality, items, kwargs) -> tuple[float, float, int]:
             gc.collect()
