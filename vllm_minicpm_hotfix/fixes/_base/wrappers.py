@@ -286,6 +286,28 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
         except Refusal as exc:
             return _counted(name, exc)
 
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        """The usual call of a wrapped method (a decision kept for the instance's class; for a binding, a call of a
+        shape bound before): what :func:`function` does, in fewer steps; any other call goes to :func:`function`."""
+        entry = decided.get(type(args[0])) if args else None
+        if entry is None or entry[0] is not (_ACTIVE[name] if name in _ACTIVE else getattr(fix, "MODELS", None)):
+            return function(*args, **kwargs)
+        if not entry[1]:
+            return own(args, kwargs)
+        instance = args[0]
+        try:
+            if binding is None:
+                return behaviour(MethodType(original, instance), instance, args[1:], kwargs)
+            if (len(args), *kwargs) not in shapes if kwargs else len(args) not in shapes:
+                return function(*args, **kwargs)
+            call = Call(zip(positional, args))
+            if kwargs:
+                call.update(kwargs)
+            call.args, call.kwargs, call._binding = args[1:], kwargs, binding
+            return behaviour(MethodType(original, instance), instance, call)
+        except Refusal as exc:
+            return _counted(name, exc)
+
     if inspect.iscoroutinefunction(original) or inspect.iscoroutinefunction(behaviour):
         async def coroutine(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -295,7 +317,7 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
 
         return coroutine
 
-    return function
+    return kept if method and decided is not None and kind == "wrap" else function
 
 
 class ForMembers:
