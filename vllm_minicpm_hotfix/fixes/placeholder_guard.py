@@ -67,7 +67,6 @@ that validates this itself, or the guard applied), ``undetermined`` if the stand
 from __future__ import annotations
 
 import functools
-import sys
 import inspect
 import operator
 import types
@@ -115,9 +114,9 @@ def embeddings_per_slice(h: int, w: int, use_vit_merger: bool) -> int:
 def _flag(value: Any) -> bool | None:
     if value is None:
         return None
-    torch = sys.modules.get("torch")  # a tensor exists only where torch is imported
-    if torch is not None and isinstance(value, torch.Tensor):
-        value = value.tolist()  # the one call into torch: any element true (None when empty), as below for lists
+    tolist = getattr(value, "tolist", None)  # a tensor (or an array): one call into torch, then judged as a list
+    if tolist is not None:
+        value = tolist()
         if type(value) is list and (not value or type(value[0]) is not list):  # 1-D (the usual one-element flag)
             return any(value) if value else None
     if isinstance(value, (list, tuple)):
@@ -150,7 +149,8 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any,
     without a flag. Runs once per item of every request, so it reads the two fields' tensors (``item.get(name).data``)
     without :func:`item_data`'s others, and sums in one loop."""
     fields = FIELDS.get(modality)
-    get = getattr(plain(item), "get", None)
+    data = getattr(item, "data", None)  # plain(item), inline
+    get = getattr(data if type(data) is dict else item, "get", None)
     if fields is None or get is None:
         return None
     sizes = get(fields[0])
@@ -248,9 +248,15 @@ def placeholder_embeds(updates: Sequence[Any], info: Any) -> int | None:
         key = None
         if type(is_embed) is types.FunctionType:
             try:
-                cells = tuple(map(_CELL, is_embed.__closure__ or ()))
-                if not set(map(type, cells)) <= _PLAIN:  # the usual closure (token ids, texts) needs no conversion
-                    cells = tuple(map(_plain, cells))
+                closure = is_embed.__closure__ or ()
+                if len(closure) == 1:  # vLLM's select_* closures: one value (a token id, ids, a text)
+                    cells = closure[0].cell_contents
+                    if type(cells) is list and set(map(type, cells)) <= _INT:  # token ids (0.32+'s select_token_ids)
+                        cells = tuple(cells)
+                    elif type(cells) not in _PLAIN:
+                        cells = _plain(cells)
+                else:
+                    cells = tuple(map(_plain, map(_CELL, closure)))
                 key = (is_embed.__code__, cells, full if isinstance(full, str) else tuple(full), id(info))
                 count = _EMBEDS.get(key, (info,))  # hashes the key: TypeError where it cannot
             except (TypeError, ValueError):  # an empty cell, a value that is not plain data
@@ -276,7 +282,8 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
         indices: modality -> the request-level index of each item (default: its position).
     """
     info = processor.info
-    for modality, items in plain(kwargs).items():
+    data = getattr(kwargs, "data", None)  # plain(kwargs), inline
+    for modality, items in (data if type(data) is dict else kwargs).items():
         if modality not in FIELDS:
             continue
         item_updates = updates.get(modality, ())
