@@ -23,6 +23,7 @@ The parts, each read on its own:
 * :mod:`.deciding` -- probe per member, decide with the mode, apply, record, one INFO line.
 * :mod:`.deferred` -- probes that wait for the first use of their code path (``DEFER_AT``).
 * :mod:`.running` -- what the post-import hook does for one fix.
+* :mod:`.memo` -- :class:`~.memo.WeakMemo`, the bounded memo behaviours keep per-request values in.
 
 The registry (:data:`vllm_minicpm_hotfix.fixes.REGISTRY`) calls :func:`~.patching.complete` on every fix, which
 derives ``SETS`` (the targets) and ``apply(module)``. Two rules for ``probe``: it judges by running the installed code
@@ -44,9 +45,10 @@ from .patching import (
     revert, revert_fix, set_attributes, shared_targets, wraps_of,
 )
 from .deferred import PROCESSOR_PATH
+from .memo import WeakMemo
 from .running import run
 from .wrappers import (
-    BEHAVIOUR_ATTR, EVERY_CALL, SELF, Binding, Call, Patch, Refusal, WeakMemo, attribute, binder, replace, wrap,
+    BEHAVIOUR_ATTR, EVERY_CALL, SELF, Binding, Call, Patch, Refusal, attribute, binder, replace, wrap,
 )
 
 __all__ = [
