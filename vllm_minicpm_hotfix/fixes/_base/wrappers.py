@@ -215,7 +215,8 @@ class ByClass:
         return active if active is not None else getattr(self.fix, "MODELS", None)
 
     def __call__(self, instance: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
-        """Decide for ``instance`` now (the built function reads a kept decision itself, before calling this)."""
+        """Decide for ``instance`` now, and keep the decision for its class (the built function's usual call reads
+        it)."""
         against, cls, ok = self.against(), type(instance), covers(self.fix, instance)
         if not isinstance(instance, type) and model_of(cls) is not None:
             if len(self.decided) >= self.limit:
@@ -238,7 +239,9 @@ def _counted(name: str, exc: Refusal) -> Any:
 def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, method: bool,
            binding: Binding | None) -> Any:
     """The plain function that runs ``behaviour`` for the calls ``acts`` selects and ``original`` for the others
-    (counting a :class:`Refusal` for fix ``name``); one frame per call: a kept decision and a zip binding inline."""
+    (counting a :class:`Refusal` for fix ``name``). For a method under :class:`ByClass`, the usual call (a decision
+    kept for the instance's class and, for a binding, a call shape bound before) takes one frame, with no call on its
+    way to the behaviour; every other call is decided and bound in full (:func:`function`)."""
     decided, fix = (acts.decided, acts.fix) if isinstance(acts, ByClass) else (None, None)
     # Call shapes (positional count, keyword names) that bound once: for plain parameters such a shape binds by a zip.
     shapes: set[Any] = set()  # an int for a call without keywords
@@ -250,73 +253,62 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
         return original(*args, **kwargs)
 
     def function(*args: Any, **kwargs: Any) -> Any:
+        """Any call: decided by ``acts`` (which keeps a class's decision for :func:`kept`), bound in full."""
         try:
             instance, rest = (args[0] if args else None, args[1:]) if method else (None, args)
-            if decided is not None:
-                try:  # ByClass's kept decision, read inline (subscripts: no call on the request path)
-                    against, ok = decided[type(instance)]
-                    if against is not (_ACTIVE[name] if name in _ACTIVE else getattr(fix, "MODELS", None)):
-                        raise KeyError(name)
-                except KeyError:
-                    ok = acts(instance, rest, kwargs)
-                if not ok:
-                    return own(args, kwargs)
-            elif acts is not None and not acts(instance, rest, kwargs):  # a resolver: judged on every call
+            if acts is not None and not acts(instance, rest, kwargs):
                 return own(args, kwargs)
             if kind == "replace":
                 return behaviour(*args, **kwargs)
             wrapped = MethodType(original, instance) if method else original
             if binding is None:
                 return behaviour(wrapped, instance, rest, kwargs)
-            shape = (len(args), *kwargs) if kwargs else len(args)  # the positional count alone: no tuple
-            if shape in shapes:
-                call = Call(zip(positional, args))
-                if kwargs:  # no empty dict made or merged where there are none
-                    call.update(kwargs)
-            else:
-                try:
-                    call = Call(binding.arguments(args, kwargs))
-                except TypeError:
-                    return own(args, kwargs)
-                if binding.simple and len(shapes) < 64:
-                    shapes.add(shape)
+            try:
+                call = Call(binding.arguments(args, kwargs))
+            except TypeError:
+                return own(args, kwargs)
+            if binding.simple and len(shapes) < 64:
+                shapes.add((len(args), *kwargs) if kwargs else len(args))  # the positional count alone: no tuple
             call.args, call.kwargs, call._binding = rest, kwargs, binding
             return behaviour(wrapped, instance, call)
         except Refusal as exc:
             return _counted(name, exc)
 
     def kept(*args: Any, **kwargs: Any) -> Any:
-        """The usual call of a wrapped method (a decision kept for the instance's class; for a binding, a call of a
-        shape bound before): what :func:`function` does, in fewer steps; any other call goes to :func:`function`."""
+        """The usual call of a method: what :func:`function` does, from the decision kept for the instance's class
+        (read inline: ``ByClass.against()``'s members, no call) and, for a binding, a shape bound before (by a zip)."""
         entry = decided.get(type(args[0])) if args else None
         if entry is None or entry[0] is not (_ACTIVE[name] if name in _ACTIVE else getattr(fix, "MODELS", None)):
             return function(*args, **kwargs)
         if not entry[1]:
             return own(args, kwargs)
-        instance = args[0]
         try:
+            if kind == "replace":
+                return behaviour(*args, **kwargs)
+            instance = args[0]
             if binding is None:
                 return behaviour(MethodType(original, instance), instance, args[1:], kwargs)
             if (len(args), *kwargs) not in shapes if kwargs else len(args) not in shapes:
                 return function(*args, **kwargs)
             call = Call(zip(positional, args))
-            if kwargs:
+            if kwargs:  # no empty dict made or merged where there are none
                 call.update(kwargs)
             call.args, call.kwargs, call._binding = args[1:], kwargs, binding
             return behaviour(MethodType(original, instance), instance, call)
         except Refusal as exc:
             return _counted(name, exc)
 
+    entry = kept if method and decided is not None else function
     if inspect.iscoroutinefunction(original) or inspect.iscoroutinefunction(behaviour):
         async def coroutine(*args: Any, **kwargs: Any) -> Any:
             try:
-                return await function(*args, **kwargs)
+                return await entry(*args, **kwargs)
             except Refusal as exc:
                 return _counted(name, exc)
 
         return coroutine
 
-    return kept if method and decided is not None and kind == "wrap" else function
+    return entry
 
 
 class ForMembers:
