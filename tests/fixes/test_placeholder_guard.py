@@ -106,3 +106,30 @@ def test_guard_catches_a_4x_video_without_a_video_flag(m46, vproc, environment):
             print("\n" + str(err.value))
         else:
             process(vproc, {"video": [vid]}, {"downsample_mode": "4x"})
+
+
+def test_guard_counts_a_content_changed_in_place_again(vproc):
+    """The guard keeps a count per content object (vLLM hands it the same cached list on every request); a list
+    changed in place after it was counted is counted again. The reference: vLLM's own ``is_embed`` mask of the list
+    as it is at each call."""
+    from types import SimpleNamespace
+
+    from vllm.multimodal.processing import PromptUpdateDetails
+
+    pad, text = 7, 1
+    full = [text, *[pad] * 6, text]
+    details = PromptUpdateDetails.select_token_ids(full, [pad])
+    updates = [SimpleNamespace(content=details)]
+
+    def vllms_own() -> int:
+        mask = details.is_embed(vproc.info.get_tokenizer(), full) if details.is_embed.__code__.co_argcount == 2 \
+            else details.is_embed(full)
+        return int(mask.sum())
+
+    first = placeholder_guard.placeholder_embeds(updates, vproc.info)
+    again = placeholder_guard.placeholder_embeds(updates, vproc.info)  # kept
+    assert first == again == vllms_own() == 6
+    full[1:3] = [text, text]  # the same object, two pads fewer
+    assert placeholder_guard.placeholder_embeds(updates, vproc.info) == vllms_own() == 4
+    full.append(pad)  # and one longer
+    assert placeholder_guard.placeholder_embeds(updates, vproc.info) == vllms_own() == 5

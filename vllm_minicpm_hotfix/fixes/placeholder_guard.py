@@ -149,8 +149,7 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any,
     without a flag. Runs once per item of every request, so it reads the two fields' tensors (``item.get(name).data``)
     without :func:`item_data`'s others, and sums in one loop."""
     fields = FIELDS.get(modality)
-    data = getattr(item, "data", None)  # plain(item), inline
-    get = getattr(data if type(data) is dict else item, "get", None)
+    get = getattr(plain(item), "get", None)
     if fields is None or get is None:
         return None
     sizes = get(fields[0])
@@ -208,11 +207,14 @@ def _arity(fn: Any) -> int:
 
 
 #: Embedding positions :func:`placeholder_embeds` counted, per (``is_embed``'s code, its closure's values, the
-#: content, the processing info). ``is_embed`` is vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_text``
-#: closure, made anew per request and a pure function of its closure and its arguments, and a server sees the same
-#: few contents (one per image size and kwargs) over and over; skipped for a closure whose values are not plain data.
-#: The processing info (whose context holds the one tokenizer ``is_embed`` may take) is part of every key, so that a
-#: hit needs neither the tokenizer nor a look at ``is_embed``'s parameters.
+#: content's identity, the processing info), each kept with a copy of the content it was counted for. ``is_embed`` is
+#: vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_text`` closure, made anew per request and a pure function
+#: of its closure and its arguments, and a server sees the same few contents (one per image size and kwargs) over and
+#: over -- the very same objects, from vLLM's cache of encoded texts (0.32-0.33: a list of token ids; before: a text).
+#: A hit is an entry whose copy equals the content: exact whatever happened to the object an id once named, and for
+#: the same list it compares pointers only (hashing or copying its token ids would read every int of it). Skipped for
+#: a closure whose values are not plain data. The processing info (whose context holds the one tokenizer ``is_embed``
+#: may take) is part of every key, so that a hit needs neither the tokenizer nor a look at ``is_embed``'s parameters.
 _EMBEDS = WeakMemo()
 
 
@@ -235,7 +237,7 @@ def placeholder_embeds(updates: Sequence[Any], info: Any) -> int | None:
     """Embedding positions of an item's placeholder: vLLM's own ``is_embed`` mask over the resolved content of the
     item's first prompt update (all of an item's updates carry the same content), ``int(is_embed(...).sum())`` with
     ``info.get_tokenizer()`` (vLLM's ``ProcessingInfo``) computed once per distinct content (:data:`_EMBEDS`), or the
-    content's length if it has no mask. One frame per item of every request: the memo's key is built here."""
+    content's length if it has no mask."""
     for update in updates:
         content = getattr(update, "content", None)
         if content is None:
@@ -248,25 +250,17 @@ def placeholder_embeds(updates: Sequence[Any], info: Any) -> int | None:
         key = None
         if type(is_embed) is types.FunctionType:
             try:
-                closure = is_embed.__closure__ or ()
-                if len(closure) == 1:  # vLLM's select_* closures: one value (a token id, ids, a text)
-                    cells = closure[0].cell_contents
-                    if type(cells) is list and set(map(type, cells)) <= _INT:  # token ids (0.32+'s select_token_ids)
-                        cells = tuple(cells)
-                    elif type(cells) not in _PLAIN:
-                        cells = _plain(cells)
-                else:
-                    cells = tuple(map(_plain, map(_CELL, closure)))
-                key = (is_embed.__code__, cells, full if isinstance(full, str) else tuple(full), id(info))
-                count = _EMBEDS.get(key, (info,))  # hashes the key: TypeError where it cannot
+                cells = tuple(map(_plain, map(_CELL, is_embed.__closure__ or ())))
+                key = (is_embed.__code__, cells, id(full), id(info))
+                kept = _EMBEDS.get(key, (info,))
             except (TypeError, ValueError):  # an empty cell, a value that is not plain data
-                key = count = None
-            if count is not None:
-                return count
+                key = kept = None
+            if kept is not None and kept[0] == full:
+                return kept[1]
         tokenizer = info.get_tokenizer()
         count = int((is_embed(tokenizer, full) if _arity(is_embed) >= 2 else is_embed(full)).sum())
-        if key is not None:
-            _EMBEDS.put(key, (info,), count)
+        if key is not None and isinstance(full, (str, list, tuple)):
+            _EMBEDS.put(key, (info,), (full[:], count))
         return count
     return None
 
@@ -282,8 +276,7 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
         indices: modality -> the request-level index of each item (default: its position).
     """
     info = processor.info
-    data = getattr(kwargs, "data", None)  # plain(kwargs), inline
-    for modality, items in (data if type(data) is dict else kwargs).items():
+    for modality, items in plain(kwargs).items():
         if modality not in FIELDS:
             continue
         item_updates = updates.get(modality, ())
