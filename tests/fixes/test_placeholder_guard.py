@@ -110,15 +110,15 @@ def test_guard_catches_a_4x_video_without_a_video_flag(m46, vproc, environment):
 
 def test_guard_counts_a_content_changed_in_place_again(vproc):
     """The guard keeps a count per content object (vLLM hands it the same cached list on every request); a list
-    changed in place after it was counted is counted again. The reference: vLLM's own ``is_embed`` mask of the list
-    as it is at each call."""
+    changed in place after it was counted, or ``is_embed``'s own token ids changed, is counted again. The reference:
+    vLLM's own ``is_embed`` mask as things are at each call."""
     from types import SimpleNamespace
 
     from vllm.multimodal.processing import PromptUpdateDetails
 
     pad, text = 7, 1
-    full = [text, *[pad] * 6, text]
-    details = PromptUpdateDetails.select_token_ids(full, [pad])
+    full, embed_ids = [text, *[pad] * 6, text], [pad]
+    details = PromptUpdateDetails.select_token_ids(full, embed_ids)
     updates = [SimpleNamespace(content=details)]
 
     def vllms_own() -> int:
@@ -133,3 +133,5 @@ def test_guard_counts_a_content_changed_in_place_again(vproc):
     assert placeholder_guard.placeholder_embeds(updates, vproc.info) == vllms_own() == 4
     full.append(pad)  # and one longer
     assert placeholder_guard.placeholder_embeds(updates, vproc.info) == vllms_own() == 5
+    embed_ids[0] = text  # the closure's own ids: the text tokens are the embeddings now
+    assert placeholder_guard.placeholder_embeds(updates, vproc.info) == vllms_own() == 4

@@ -76,7 +76,6 @@ from typing import Any
 
 from ..decision import State, Verdict
 from ._base import PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, Refusal, WeakMemo, model_of, wrap
-from ._mm_items import plain
 
 NAME = "placeholder_guard"
 #: MiniCPM-OCR's processors (the backport's, vLLM 0.33's) inherit both hooked methods and its model 4.6's
@@ -149,7 +148,8 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any,
     without a flag. Runs once per item of every request, so it reads the two fields' tensors (``item.get(name).data``)
     without :func:`item_data`'s others, and sums in one loop."""
     fields = FIELDS.get(modality)
-    get = getattr(plain(item), "get", None)
+    data = getattr(item, "data", None)  # plain(item), inline: on the request path a call costs more than its line
+    get = getattr(data if type(data) is dict else item, "get", None)
     if fields is None or get is None:
         return None
     sizes = get(fields[0])
@@ -206,30 +206,31 @@ def _arity(fn: Any) -> int:
         return 2
 
 
-#: Embedding positions :func:`placeholder_embeds` counted, per (``is_embed``'s code, its closure's values, the
-#: content's identity, the processing info), each kept with a copy of the content it was counted for. ``is_embed`` is
-#: vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_text`` closure, made anew per request and a pure function
-#: of its closure and its arguments, and a server sees the same few contents (one per image size and kwargs) over and
-#: over -- the very same objects, from vLLM's cache of encoded texts (0.32-0.33: a list of token ids; before: a text).
-#: A hit is an entry whose copy equals the content: exact whatever happened to the object an id once named, and for
-#: the same list it compares pointers only (hashing or copying its token ids would read every int of it). Skipped for
-#: a closure whose values are not plain data. The processing info (whose context holds the one tokenizer ``is_embed``
-#: may take) is part of every key, so that a hit needs neither the tokenizer nor a look at ``is_embed``'s parameters.
+#: Embedding positions :func:`placeholder_embeds` counted, per (``is_embed``'s code, the content's identity, the
+#: processing info), each kept with a copy of the content and of ``is_embed``'s closure values it was counted for.
+#: ``is_embed`` is vLLM's ``PromptUpdateDetails.select_token_id`` / ``select_token_ids`` / ``select_text`` closure,
+#: made anew per request and a pure function of its closure values and its arguments, and a server sees the same few
+#: contents (one per image size and kwargs) over and over -- the very same objects, from vLLM's cache of encoded texts
+#: (0.32-0.33: a list of token ids; before: a text). A hit is an entry whose copies equal the content and the closure
+#: values: exact whatever happened to the object an id once named, and for the same list it compares pointers only
+#: (hashing or copying its token ids would read every int of it). Only plain closure values are kept (token ids, a
+#: text). The processing info (whose context holds the one tokenizer ``is_embed`` may take) is part of every key, so
+#: that a hit needs neither the tokenizer nor a look at ``is_embed``'s parameters.
 _EMBEDS = WeakMemo()
 
 
-#: The types of a closure's values that make a plain-data key part as they are (else :func:`_plain` converts).
+#: The types of a closure's values that are plain data as they are (else :func:`_plain` judges).
 _PLAIN = frozenset({type(None), bool, int, str, bytes})
 _INT = frozenset({int})
 _CELL = operator.attrgetter("cell_contents")
 
 
 def _plain(value: Any) -> Any:
-    """``value`` as a hashable key part if it is plain data (token ids, a text), else ``TypeError``."""
+    """A copy of ``value`` if it is plain data (token ids, a text), else ``TypeError``."""
     if type(value) in _PLAIN:
         return value
     if isinstance(value, (list, tuple)) and set(map(type, value)) <= _INT:
-        return tuple(value)
+        return value[:]
     raise TypeError(type(value).__name__)
 
 
@@ -247,20 +248,23 @@ def placeholder_embeds(updates: Sequence[Any], info: Any) -> int | None:
         if is_embed is None:
             return len(info.get_tokenizer().encode(full, add_special_tokens=False)) if isinstance(full, str) \
                 else len(full)
-        key = None
+        key = values = None
         if type(is_embed) is types.FunctionType:
             try:
-                cells = tuple(map(_plain, map(_CELL, is_embed.__closure__ or ())))
-                key = (is_embed.__code__, cells, id(full), id(info))
+                values = list(map(_CELL, is_embed.__closure__ or ()))  # ValueError for an empty cell
+                key = (is_embed.__code__, id(full), id(info))
                 kept = _EMBEDS.get(key, (info,))
-            except (TypeError, ValueError):  # an empty cell, a value that is not plain data
-                key = kept = None
-            if kept is not None and kept[0] == full:
-                return kept[1]
+            except ValueError:
+                kept = None
+            if kept is not None and kept[0] == full and kept[1] == values:
+                return kept[2]
         tokenizer = info.get_tokenizer()
         count = int((is_embed(tokenizer, full) if _arity(is_embed) >= 2 else is_embed(full)).sum())
         if key is not None and isinstance(full, (str, list, tuple)):
-            _EMBEDS.put(key, (info,), (full[:], count))
+            try:
+                _EMBEDS.put(key, (info,), (full[:], list(map(_plain, values)), count))
+            except TypeError:  # a closure value that is not plain data: not kept
+                pass
         return count
     return None
 
@@ -276,7 +280,8 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
         indices: modality -> the request-level index of each item (default: its position).
     """
     info = processor.info
-    for modality, items in plain(kwargs).items():
+    data = getattr(kwargs, "data", None)  # plain(kwargs), inline (as in _grid_and_flag)
+    for modality, items in (data if type(data) is dict else kwargs).items():
         if modality not in FIELDS:
             continue
         item_updates = updates.get(modality, ())
@@ -307,25 +312,17 @@ def check(processor: Any, kwargs: Mapping[str, Sequence[Any]], updates: Mapping[
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _kwargs_and_updates(result: Any) -> tuple[Any, Any] | None:
-    """``(kwargs, prompt_updates)`` of ``_apply_hf_processor``'s result, whichever shape this vLLM returns."""
+def apply_hf_processor(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``BaseMultiModalProcessor._apply_hf_processor``: same result; raises :class:`PlaceholderMismatchError`
+    (a ``ValueError``) where an item's counts disagree. The items and their prompt updates are read from the result
+    in whichever shape this vLLM returns it (the module docstring)."""
+    result = wrapped(*args, **kwargs)
     info = result
     if not hasattr(info, "prompt_updates") and isinstance(result, tuple) and len(result) >= 2:
         info = result[1]  # 0.22-0.28: (prompt_ids, MultiModalProcessingInfo, is_update_applied)
-    kwargs = getattr(info, "kwargs", None)
-    updates = getattr(info, "prompt_updates", None)
-    if kwargs is None or updates is None:
-        return None
-    return kwargs, updates
-
-
-def apply_hf_processor(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Around ``BaseMultiModalProcessor._apply_hf_processor``: same result; raises :class:`PlaceholderMismatchError`
-    (a ``ValueError``) where an item's counts disagree."""
-    result = wrapped(*args, **kwargs)
-    found = _kwargs_and_updates(result)
-    if found is not None:
-        check(instance, *found)
+    items, updates = getattr(info, "kwargs", None), getattr(info, "prompt_updates", None)
+    if items is not None and updates is not None:
+        check(instance, items, updates)
     return result
 
 

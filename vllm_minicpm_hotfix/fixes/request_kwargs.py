@@ -511,28 +511,24 @@ def check_model_level(processor: Any, model: str) -> None:
     processor.__dict__[_MODEL_CHECKED_ATTR] = True
 
 
-def check_request(processor: Any, inputs: Any) -> None:
-    """All the checks of the module docstring for one call of ``apply`` (raises :class:`RequestKwargsError`)."""
-    if not processor.__dict__.get(_MODEL_CHECKED_ATTR):  # once per processor
-        check_model_level(processor, model_of(processor) or "MiniCPM-V")
+def checked_apply(wrapped: Any, instance: Any, call: Call) -> Any:
+    """Around ``BaseMultiModalProcessor.apply(self, inputs: ProcessorInputs, timing_ctx) -> MultiModalInput``: all
+    the checks of the module docstring for the call's ``inputs``, then vLLM's own method unchanged. Raises
+    :class:`RequestKwargsError` (``ValueError``)."""
+    inputs = call.get("inputs")
+    if inputs is None:
+        return wrapped(*call.args, **call.kwargs)
+    if not instance.__dict__.get(_MODEL_CHECKED_ATTR):  # once per processor
+        check_model_level(instance, model_of(instance) or "MiniCPM-V")
     given = getattr(inputs, "hf_processor_mm_kwargs", None)
     if given:
         request = dict(given)
-        model = model_of(processor) or "MiniCPM-V"  # the name its refusals give; only where there is a request to judge
+        model = model_of(instance) or "MiniCPM-V"  # the name its refusals give; only where there is a request to judge
         # The type and fixed-key checks need no bounds: run them before reading the profile.
         check_kwargs(request, {"types_only": True, "fixed": fixed_keys()}, model)
-        check_kwargs(request, geometry_of(processor), model)
+        check_kwargs(request, geometry_of(instance), model)
         # Without request kwargs every item costs what stock vLLM makes of it (its own limits judge it).
-        check_items(processor, getattr(inputs, "mm_data_items", None), request, model)
-
-
-def checked_apply(wrapped: Any, instance: Any, call: Call) -> Any:
-    """Around ``BaseMultiModalProcessor.apply(self, inputs: ProcessorInputs, timing_ctx) -> MultiModalInput``:
-    :func:`check_request` first, then vLLM's own method unchanged. Raises :class:`RequestKwargsError`
-    (``ValueError``)."""
-    inputs = call.get("inputs")
-    if inputs is not None:
-        check_request(instance, inputs)
+        check_items(instance, getattr(inputs, "mm_data_items", None), request, model)
     return wrapped(*call.args, **call.kwargs)
 
 

@@ -246,6 +246,7 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
     # Call shapes (positional count, keyword names) that bound once: for plain parameters such a shape binds by a zip.
     shapes: set[Any] = set()  # an int for a call without keywords
     positional = binding.positional if binding is not None else ()
+    replacing = kind == "replace"
 
     def own(args: tuple, kwargs: dict) -> Any:
         if original is None:
@@ -283,10 +284,10 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
         if not entry[1]:
             return own(args, kwargs)
         try:
-            if kind == "replace":
-                return behaviour(*args, **kwargs)
             instance = args[0]
-            if binding is None:
+            if binding is None:  # a replace, or a wrap without a binding
+                if replacing:
+                    return behaviour(*args, **kwargs)
                 return behaviour(MethodType(original, instance), instance, args[1:], kwargs)
             if (len(args), *kwargs) not in shapes if kwargs else len(args) not in shapes:
                 return function(*args, **kwargs)
