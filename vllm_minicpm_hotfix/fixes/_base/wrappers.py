@@ -299,17 +299,17 @@ def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, metho
         except Refusal as exc:
             return _counted(name, exc)
 
-    entry = kept if method and decided is not None else function
+    entry_point = kept if method and decided is not None else function
     if inspect.iscoroutinefunction(original) or inspect.iscoroutinefunction(behaviour):
         async def coroutine(*args: Any, **kwargs: Any) -> Any:
             try:
-                return await entry(*args, **kwargs)
+                return await entry_point(*args, **kwargs)
             except Refusal as exc:
                 return _counted(name, exc)
 
         return coroutine
 
-    return entry
+    return entry_point
 
 
 class ForMembers:
