@@ -25,7 +25,10 @@ class WeakMemo:
         hit = self._entries.get(key)
         if hit is None:
             return None
-        for ref, obj in zip(hit[0], objects):
+        refs = hit[0]
+        if len(refs) == 1 and objects:  # the usual: one object (no iterator made on the request path)
+            return hit[1] if refs[0]() is objects[0] else None
+        for ref, obj in zip(refs, objects):
             if ref() is not obj:
                 return None
         return hit[1]
