@@ -220,8 +220,7 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
     if not isinstance(kwargs, Mapping):
         raise RequestKwargsError(f"{model}: {where} must be an object, got {type(kwargs).__name__} {kwargs!r}",
                                  kwarg=where, value=kwargs, cause="not_an_object")
-    fixed = geometry.get("fixed") or fixed_keys()
-    allowed = rules(geometry)
+    fixed = geometry.get("fixed") or fixed_keys()  # what is allowed, in words: rules(), on a refusal only
     for key, value in kwargs.items():
         name = f"{where}.{key}"
         if key in SCOPES:
@@ -246,14 +245,13 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
         want = SIZING[key]
         if not _is(value, want):
             raise RequestKwargsError(
-                f"{model}: {name} = {value!r} ({type(value).__name__}) is refused: it must be {allowed[key]}",
+                f"{model}: {name} = {value!r} ({type(value).__name__}) is refused: it must be {rules(geometry)[key]}",
                 kwarg=name, value=value, cause="wrong_type")
         if geometry.get("types_only"):
             continue
         bad = False
         if model_level:
             geometry = {**geometry, "max_slices": None, "max_scale": None}
-            allowed = rules(geometry)
         if key == "max_slice_nums":
             top = geometry.get("max_slices")
             bad = value < 1 or (top is not None and value > top)
@@ -265,7 +263,7 @@ def check_kwargs(kwargs: Mapping[str, Any] | None, geometry: Mapping[str, Any], 
         elif key == "small_image_upsize":
             bad = value not in (geometry.get("upsize_modes") or UPSIZE_MODES)
         if bad:
-            raise RequestKwargsError(f"{model}: {name} = {value!r} is refused: it must be {allowed[key]}",
+            raise RequestKwargsError(f"{model}: {name} = {value!r} is refused: it must be {rules(geometry)[key]}",
                                      kwarg=name, value=value)
 
 
@@ -425,15 +423,16 @@ def check_items(processor: Any, items: Any, request: Mapping[str, Any] | None, m
     limit = geometry_of(processor)["limit"]
     ip = processor.info.ctx.get_hf_processor().image_processor
     max_model_len = int(processor.info.ctx.model_config.max_model_len)
+    req = mp.request((items, {}, None))  # the items, as the prompt fixes read a request's
     total = 0
     for modality in ("image", "video"):
         eff = None
         for idx in range(_count(items, modality)):
             if modality == "image":
-                hw = mp.image_item_hw(mp.Request(items, {}), idx)
+                hw = mp.image_item_hw(req, idx)
                 hw_list = [hw] if hw is not None else None
             else:
-                hw_list = mp.video_frames_hw(mp.Request(items, {}), idx)
+                hw_list = mp.video_frames_hw(req, idx)
             if not hw_list:
                 continue
             if eff is None:
