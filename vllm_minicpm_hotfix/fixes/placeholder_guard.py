@@ -157,12 +157,7 @@ def _grid_and_flag(modality: str, item: Any, hf_config: Any,
     if sizes is None:
         return None
     flag = get(fields[1])
-    flag = getattr(flag, "data", flag)
-    if getattr(flag, "ndim", None) == 1:  # _flag's usual case inline: a 1-D tensor, one call into torch
-        flag = flag.tolist()
-        flag = any(flag) if flag else None
-    else:
-        flag = _flag(flag)
+    flag = _flag(getattr(flag, "data", flag))
     if flag is None:
         flag = default_use_vit_merger(hf_config if config_of is None else config_of())
     if getattr(sizes, "ndim", None) == 2 and sizes.shape[1] == 2:  # already (slices, 2): one call into torch

@@ -25,10 +25,7 @@ class WeakMemo:
         hit = self._entries.get(key)
         if hit is None:
             return None
-        refs = hit[0]
-        if len(refs) == 1 and objects:  # the usual: one object (no iterator made on the request path)
-            return hit[1] if refs[0]() is objects[0] else None
-        for ref, obj in zip(refs, objects):
+        for ref, obj in zip(hit[0], objects):
             if ref() is not obj:
                 return None
         return hit[1]
