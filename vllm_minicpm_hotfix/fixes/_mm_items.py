@@ -67,20 +67,12 @@ def _raw_kinds() -> tuple[type, ...]:
 
 
 def image_item_hw(request: Any, idx: int) -> tuple[int, int] | None:
-    """``(height, width)`` of image ``idx`` of the request's items, or None if it has no such raw image. Runs once
-    per image of every request: :func:`_items_of`, ``plain`` and :func:`item_hw`'s PIL case are inline (one frame
-    where a call costs more than its line)."""
-    items = request.items if request else None
-    data = getattr(items, "data", None)
+    """``(height, width)`` of image ``idx`` of the request's items, or None if it has no such raw image."""
+    batch = _items_of(request.items if request else None, "image")
+    if batch is None:
+        return None
     try:
-        batch = (data if type(data) is dict else items).get("image") if items is not None else None
-        if not isinstance(batch, _RAW_KINDS or _raw_kinds()):
-            return None
-        item = batch.get(idx)
-        size = getattr(item, "size", None)
-        if hasattr(item, "getbands") and type(size) is tuple and len(size) == 2:  # PIL.Image.Image
-            return int(size[1]), int(size[0])
-        return item_hw(item)
+        return item_hw(batch.get(idx))
     except Exception:
         return None
 
