@@ -118,6 +118,9 @@ def pytest_configure(config):
         "deselected -- not skipped -- and the module's docstring says why it runs where it does",
     )
     config.addinivalue_line("markers", "ray: starts a Ray cluster (tests/e2e/test_ray.py); `-m 'not ray'` leaves it out")
+    config.addinivalue_line(
+        "markers", "stock_pin: pins a fix's stock verdict per release; scripts/canary runs `-m 'not stock_pin'`"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
