@@ -57,10 +57,22 @@ The decision
 :func:`probe` runs the 4.6 processor's own ``_merge_mm_kwargs`` (the guard's hook on the cached path) and then
 ``_maybe_apply_prompt_updates`` (where vLLM checks that items, prompt updates and placeholders agree) -- as the
 classes now stand -- on a stand-in processor (created without ``__init__``) for a one-item request whose placeholder
-has 2 pads while its tensors (one 4x4-patch slice, 16x) give 1 embedding. ``broken`` if both let it through (stock
-vLLM 0.22-0.33: it checks item counts, never embedding counts), ``correct`` if either raises a ``ValueError`` (a vLLM
-that validates this itself, or the guard applied), ``undetermined`` if the stand-in cannot be built,
-``unrecognised`` if the classes or methods are not there. ``force`` applies wherever the hooks exist.
+has 2 pads while its tensors (one 4x4-patch slice, 16x) give 1 embedding. The cache it passes is vLLM's own: the
+installed release's ``MultiModalProcessorOnlyCache``, empty, built by its own ``__init__``
+(:func:`._stand_ins.processor_cache`), so whatever cache method ``_merge_mm_kwargs`` calls is vLLM's code (0.34.0
+added ``get_cached_item``, which a hand-made stand-in lacked). ``broken`` if both let the request through (stock vLLM
+0.22-0.34: it checks item counts, never embedding counts), ``correct`` if either raises a ``ValueError`` (a vLLM that
+validates this itself, or the guard applied: 2 against 1 is a mismatch of one, so the guard's probe on the patched
+class also shows it compares for equality), ``unrecognised`` if the classes or methods are not there.
+
+``undetermined`` if vLLM's path cannot be run on the stand-in (a later release calling something the probe cannot
+give). The guard is then still applied under ``auto`` -- the verdict carries ``guard=True`` -- where the probe shows
+the guard's own check works on this vLLM's objects: it refuses the 2-pads / 1-embedding item built by vLLM's
+``MultiModalKwargsItems`` and resolved prompt updates, and passes a 2 / 2 one. Applying it is then harmless: it only
+compares counts and refuses a request the engine would die on anyway, and where vLLM did validate itself the two
+checks refuse the same requests. Where the guard's check does not work either, it is left off and the reason says
+so (``doctor`` FAILs on it, the summary line lists it under "could not tell"). ``force`` applies it wherever the
+hooks exist.
 
 """
 

@@ -26,21 +26,29 @@ filled every shard; one that brings some shards of a parameter but not all is.
 
 The decision
 ------------
-:func:`probe` runs the installed top-level ``load_weights`` -- as it is at that moment, so with the q/k/v loader fix
-where that was applied before this fix (the registry's order) -- on the q/k/v loader fix's stand-in model (vLLM's real
-classes created without ``__init__``, parameters that record what their weight loader receives), twice: fed the six
-q/k/v tensors, fed them without ``k_proj.bias``, and fed none of them.
+:func:`probe` judges the path a user's load takes: the installed top-level ``load_weights`` -- as it is at that
+moment, so with the q/k/v loader fix where that was applied before this fix (the registry's order) -- then, on the
+names it returns, vLLM's own "weights not initialized" check, ``DefaultModelLoader.track_weights_loading`` (what
+``DefaultModelLoader.load_weights`` runs for an unquantized checkpoint). The model is the q/k/v loader fix's stand-in
+(vLLM's real classes created without ``__init__``, parameters that record what their weight loader receives), its
+``qkv_proj`` given what the check reads: vLLM's ``UnquantizedLinearMethod`` and, where the layer class keeps vLLM's
+shard bookkeeping (``StackedColumnParallelLinear``, 0.34+), that state, each weight loader reporting its shard to
+``validate_shard_id`` as vLLM's own do. It is fed the six q/k/v tensors, them without ``k_proj.bias``, and none of
+them (the rest of the stand-in counts as loaded).
 
-* ``CORRECT`` (not needed), *not applicable*, if it does not even load the complete q/k/v set: stock 0.25-0.29,
-  whose q/k/v loading is broken -- the q/k/v loader fix is the one for them (it checks completeness itself);
-* ``BROKEN`` (needed) if either incomplete set loads without raising -- stock vLLM 0.22-0.24 and 0.30+;
-* ``CORRECT`` (not needed), *not applicable*, if both raise: the q/k/v loader fix is applied. Not applicable, so
-  ``force`` (which applies the loader everywhere) does not stack a second check on the loader's: one clear error per
-  bad checkpoint, never two.
+* ``CORRECT`` (not needed), *not applicable*, if ``load_weights`` does not even load the complete q/k/v set: stock
+  0.25-0.29, whose q/k/v loading is broken -- the q/k/v loader fix is the one for them (it checks completeness itself);
+* ``BROKEN`` (needed) if either incomplete set gets through without an error -- stock vLLM 0.22-0.24 and 0.30-0.33
+  (both sets; their check exempts every unquantized linear layer), and 0.34 (its check refuses the set without
+  ``k_proj.bias``, naming ``qkv_proj.bias.k``, but a layer that received no shard at all is left to the per-parameter
+  rule, which exempts it: no q/k/v at all still loads). The reason names the sets the loader refuses;
+* ``CORRECT`` (not needed), *not applicable*, if both are refused: the q/k/v loader fix is applied, or a vLLM whose
+  own load refuses both. Not applicable, so ``force`` (which applies the loader everywhere) does not stack a second
+  check on the loader's: one clear error per bad checkpoint, never two.
 * Applicable only if the installed ``load_weights``, wrapped by this guard, loads the complete q/k/v set without an
-  error (i.e. it passes every shard through the parameters' weight loaders, which the guard observes); otherwise
-  ``UNDETERMINED`` and not applied, ``force`` included -- a guard that cannot see the shards would refuse a good
-  checkpoint.
+  error (i.e. it passes every shard through the parameters' weight loaders, which the guard observes), and vLLM's
+  check accepts the complete set; otherwise ``UNDETERMINED`` and not applied, ``force`` included -- a guard that
+  cannot see the shards would refuse a good checkpoint.
 * ``UNRECOGNISED`` where the q/k/v loader fix does not recognise the layout.
 
 Where it is needed and not applied (no hotfix, or ``VLLM_MINICPM_HOTFIX=off``), ``doctor`` shows a ``WARN`` row, not a
