@@ -70,12 +70,16 @@ class State(str, enum.Enum):
 
 class Verdict(NamedTuple):
     """What a fix's probe found. ``applicable``: the fix can safely be applied here (``force`` applies it wherever
-    this is true; ``UNRECOGNISED`` is never applicable). Immutable (a ``NamedTuple``, not a frozen dataclass: the
-    class is made in the post-import hook of every vLLM process, and a dataclass costs half a millisecond there)."""
+    this is true; ``UNRECOGNISED`` is never applicable). ``guard``: an ``UNDETERMINED`` verdict of a guard (a fix
+    that only refuses what would fail later anyway) whose probe showed the guard itself works on this installation:
+    ``auto`` applies it too, so a probe that cannot tell does not silently take the protection away. Immutable (a
+    ``NamedTuple``, not a frozen dataclass: the class is made in the post-import hook of every vLLM process, and a
+    dataclass costs half a millisecond there)."""
 
     state: State
     reason: str
     applicable: bool = True
+    guard: bool = False
 
     @property
     def broken(self) -> bool:
@@ -95,7 +99,7 @@ def decide(mode: Mode, verdict: Verdict) -> Decision:
     ``off``: never. Not applicable (``UNRECOGNISED``, or ``verdict.applicable`` false): never, ``force`` included --
     there the fix could only do nothing or harm. ``force``: wherever applicable. ``auto``: where the verdict is
     ``BROKEN`` (a backport: ``MISSING``); a verdict the probe could not reach (``UNDETERMINED``) leaves vLLM
-    untouched.
+    untouched, except a guard's whose probe showed the guard works here (``verdict.guard``): applied.
     """
     if mode is Mode.OFF:
         return Decision(False, f"{ENV_VAR}=off")
@@ -110,6 +114,9 @@ def decide(mode: Mode, verdict: Verdict) -> Decision:
         return Decision(True, f"broken here: {verdict.reason}")
     if verdict.state is State.MISSING:
         return Decision(True, f"missing here: {verdict.reason}")
+    if verdict.state is State.UNDETERMINED and verdict.guard:
+        return Decision(True, f"could not tell whether vLLM needs it ({verdict.reason}); applied anyway: a guard that "
+                              "only refuses what would fail later")
     if verdict.state is State.CORRECT:
         return Decision(False, f"not needed: {verdict.reason}" if not verdict.reason.startswith("not needed") else verdict.reason)
     return Decision(

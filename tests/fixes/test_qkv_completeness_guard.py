@@ -117,14 +117,32 @@ def test_which_check_is_on(m46, expected, mode):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_stock_loads_incomplete_checkpoints_silently(m46, expected, ckpt):
-    """Stock vLLM: without k_proj.bias it loads where its own q/k/v loading is correct (the k rows of the bias keep
-    what they held); without any q/k/v it loads on every release, the broken ones included (nothing trips over a
-    k_proj name): qkv_proj keeps what it held."""
+#: vLLM's "weights not initialized" check (``DefaultModelLoader.track_weights_loading``) names a shard a stacked
+#: layer (``StackedColumnParallelLinear``) received none of, from vLLM 0.34.0 on; 0.22-0.33 exempt the whole layer.
+LOADER_REFUSES_A_MISSING_SHARD = ((0, 34), "Following weights were not initialized from checkpoint: "
+                                           "{'vit_merger.self_attn.qkv_proj.bias.k'}")
+
+
+def loader_refuses_a_missing_shard(release: str) -> bool:
+    return tuple(int(x) for x in release.split(".")[:2]) >= LOADER_REFUSES_A_MISSING_SHARD[0]
+
+
+def test_stock_loads_incomplete_checkpoints_silently(m46, expected, ckpt, release):
+    """Stock vLLM through its model loader (``load_weights``, then the "weights not initialized" check), the path a
+    user's load takes. Without k_proj.bias: 0.25-0.29 fail every split q/k/v checkpoint anyway; 0.22-0.24 and
+    0.30-0.33 load it (the k rows of the bias keep what they held); 0.34+ refuse it in the loader's check, naming
+    ``qkv_proj.bias.k``. Without any q/k/v it loads on every release, 0.34 and the broken ones included (nothing trips
+    over a k_proj name, and the check leaves a layer that received no shard to its per-parameter rule, which exempts
+    it): qkv_proj keeps what it held -- so the guard stays needed on 0.34 (its probe: broken)."""
     with hotfix(m46, "off", fixes=None):
         if expected[1] is not None:  # 0.25-0.29: stock fails on every split q/k/v checkpoint
             with pytest.raises(ValueError, match=re.escape(expected[1])):
                 load_like_vllm(ckpt("missing_k_bias"))
+        elif loader_refuses_a_missing_shard(release):
+            with pytest.raises(ValueError) as info:
+                load_like_vllm(ckpt("missing_k_bias"))
+            print(f"\nmissing k_proj.bias: {type(info.value).__name__}: {info.value}")
+            assert str(info.value) == LOADER_REFUSES_A_MISSING_SHARD[1]
         else:
             b = load_like_vllm(ckpt("missing_k_bias")).vit_merger.self_attn.qkv_proj.bias.detach()
             assert torch.equal(b[64:128], torch.full((64,), -7.0))
@@ -132,6 +150,22 @@ def test_stock_loads_incomplete_checkpoints_silently(m46, expected, ckpt):
         qkv = load_like_vllm(ckpt("no_qkv")).vit_merger.self_attn.qkv_proj
     assert torch.equal(qkv.weight.detach(), torch.full_like(qkv.weight, -7.0))
     assert torch.equal(qkv.bias.detach(), torch.full_like(qkv.bias, -7.0))
+
+
+def test_probe_judges_through_the_model_loader(m46, expected, release):
+    """The probe's verdict and reason follow what stock vLLM's load (measured above) does with each incomplete set:
+    where the loader's check refuses a missing shard (0.34+) the probe says so and is still ``broken`` for the set
+    with no q/k/v at all; elsewhere both sets load silently (or, 0.25-0.29, nothing split loads: not applicable)."""
+    got = qkv_guard.probe(m46)
+    print(f"\n{got.state.value}: {got.reason}")
+    if expected[1] is not None:
+        assert got.state.value == "correct" and not got.applicable, got
+        return
+    assert got.state.value == "broken", got
+    assert "lets no q/k/v tensor at all" in got.reason or "and no q/k/v tensor at all through" in got.reason, got
+    refuses = "it refuses the six q/k/v tensors without k_proj.bias: vLLM's model loader refuses it (ValueError: " \
+              + LOADER_REFUSES_A_MISSING_SHARD[1] + ")"
+    assert (refuses in got.reason) is loader_refuses_a_missing_shard(release), got
 
 
 @pytest.mark.parametrize("mode", ["auto", "force"])

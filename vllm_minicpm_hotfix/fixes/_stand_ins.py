@@ -117,3 +117,23 @@ def processor(proc_cls: type, info: Any) -> Any:
     proc = proc_cls.__new__(proc_cls)
     proc.__dict__.update(info=info, cache=None)
     return proc
+
+
+#: The capacity of :func:`processor_cache` (1 MiB): far above the probes' items (a few kB), far below a real cache.
+_CACHE_GB = 1 / 1024
+
+
+def processor_cache() -> Any:
+    """vLLM's own front-end (P0) processor cache, empty: an instance of the installed release's
+    ``MultiModalProcessorOnlyCache`` (``vllm/multimodal/cache.py`` in 0.22-0.31, ``cache/base.py`` from 0.32 on; the
+    cache vLLM uses when IPC caching is off), built by its own ``__init__`` over a stand-in model config that gives
+    only ``get_multimodal_config().mm_processor_cache_gb``. So every cache method vLLM's ``_merge_mm_kwargs`` calls
+    -- ``touch_sender_cache_item`` and ``get_and_update_item`` in 0.22-0.33, ``get_cached_item`` added in 0.34, and
+    whatever a later release adds to the class -- is vLLM's own. Raises what that ``__init__`` raises (a release
+    whose cache reads more of the model config)."""
+    from types import SimpleNamespace
+
+    from vllm.multimodal import cache as caches
+
+    mm_config = SimpleNamespace(mm_processor_cache_gb=_CACHE_GB)
+    return caches.MultiModalProcessorOnlyCache(SimpleNamespace(get_multimodal_config=lambda: mm_config))

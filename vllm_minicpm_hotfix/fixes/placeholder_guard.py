@@ -57,10 +57,22 @@ The decision
 :func:`probe` runs the 4.6 processor's own ``_merge_mm_kwargs`` (the guard's hook on the cached path) and then
 ``_maybe_apply_prompt_updates`` (where vLLM checks that items, prompt updates and placeholders agree) -- as the
 classes now stand -- on a stand-in processor (created without ``__init__``) for a one-item request whose placeholder
-has 2 pads while its tensors (one 4x4-patch slice, 16x) give 1 embedding. ``broken`` if both let it through (stock
-vLLM 0.22-0.33: it checks item counts, never embedding counts), ``correct`` if either raises a ``ValueError`` (a vLLM
-that validates this itself, or the guard applied), ``undetermined`` if the stand-in cannot be built,
-``unrecognised`` if the classes or methods are not there. ``force`` applies wherever the hooks exist.
+has 2 pads while its tensors (one 4x4-patch slice, 16x) give 1 embedding. The cache it passes is vLLM's own: the
+installed release's ``MultiModalProcessorOnlyCache``, empty, built by its own ``__init__``
+(:func:`._stand_ins.processor_cache`), so whatever cache method ``_merge_mm_kwargs`` calls is vLLM's code (0.34.0
+added ``get_cached_item``, which a hand-made stand-in lacked). ``broken`` if both let the request through (stock vLLM
+0.22-0.34: it checks item counts, never embedding counts), ``correct`` if either raises a ``ValueError`` (a vLLM that
+validates this itself, or the guard applied: 2 against 1 is a mismatch of one, so the guard's probe on the patched
+class also shows it compares for equality), ``unrecognised`` if the classes or methods are not there.
+
+``undetermined`` if vLLM's path cannot be run on the stand-in (a later release calling something the probe cannot
+give). The guard is then still applied under ``auto`` -- the verdict carries ``guard=True`` -- where the probe shows
+the guard's own check works on this vLLM's objects: it refuses the 2-pads / 1-embedding item built by vLLM's
+``MultiModalKwargsItems`` and resolved prompt updates, and passes a 2 / 2 one. Applying it is then harmless: it only
+compares counts and refuses a request the engine would die on anyway, and where vLLM did validate itself the two
+checks refuse the same requests. Where the guard's check does not work either, it is left off and the reason says
+so (``doctor`` FAILs on it, the summary line lists it under "could not tell"). ``force`` applies it wherever the
+hooks exist.
 
 """
 
@@ -386,51 +398,48 @@ class _Counts:
         return dict(self._counts)
 
 
-class _StandInCache:
-    """The sender-cache calls ``_merge_mm_kwargs`` makes, for an empty cache: every item is sent."""
+def _items(h: int, w: int) -> Any:
+    """vLLM's ``MultiModalKwargsItems`` for one image of one ``h x w``-patch slice, 16x (``(h//4) * (w//4)``
+    embeddings), built by vLLM's own ``from_hf_inputs``."""
+    import torch
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
 
-    def touch_sender_cache_item(self, mm_hash: str) -> None:
-        pass
-
-    def get_and_update_item(self, item: Any, mm_hash: str) -> Any:
-        return item
-
-    def release_sender_touches(self) -> None:  # pragma: no cover - 0.32+ calls it from the caller, not here
-        pass
+    hf_inputs = {
+        "pixel_values": [torch.zeros(1, 3, 14, 14 * h * w)],
+        "tgt_sizes": [torch.tensor([[h, w]])],
+        "use_vit_merger": [torch.tensor([True])],
+    }
+    fields = {k: MultiModalFieldConfig.batched("image") for k in hf_inputs}
+    return MultiModalKwargsItems.from_hf_inputs(hf_inputs, fields)
 
 
 def _probe_request(module: ModuleType) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """A stand-in 4.6 processor and the arguments of its ``_merge_mm_kwargs`` and ``_maybe_apply_prompt_updates``
     for a one-image request whose placeholder has 2 pads while its tensors (one 4x4-patch slice, 16x) give 1
-    embedding. The second call's ``mm_kwargs`` / ``mm_prompt_updates`` are filled in from the first's result."""
+    embedding. The cache is vLLM's own, empty (:func:`._stand_ins.processor_cache`). The second call's
+    ``mm_kwargs`` / ``mm_prompt_updates`` are filled in from the first's result."""
     import types
 
-    import torch
-    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
     from vllm.multimodal.processing import processor as processing
+
+    from . import _stand_ins
 
     cls = getattr(module, PROCESSOR_CLASS)
     proc = object.__new__(cls)
     proc.info = _StandInInfo(types.SimpleNamespace(downsample_mode="16x", insert_layer_id=0))
     # MiniCPM-V's override renumbers <image_id> by decoding text with the real tokenizer: not what is judged here.
     proc._recompute_cached_prompt_update = lambda update, item_idx: update
-    hf_inputs = {
-        "pixel_values": [torch.zeros(1, 3, 14, 14 * 16)],
-        "tgt_sizes": [torch.tensor([[4, 4]])],
-        "use_vit_merger": [torch.tensor([True])],
-    }
-    fields = {k: MultiModalFieldConfig.batched("image") for k in hf_inputs}
-    mm_kwargs = MultiModalKwargsItems.from_hf_inputs(hf_inputs, fields)
     content = processing.PromptUpdateDetails.select_token_id([_START, _PAD, _PAD, _END], _PAD)
     replacement = processing.PromptReplacement(modality="image", target=[_PAD], replacement=content)
     updates = cls._bind_and_group_updates(proc, [replacement], {"image": 1})
-    merge_args = dict(cache=_StandInCache(), mm_hashes={"image": ["probe"]}, mm_is_cached={"image": [False]},
-                      mm_missing_kwargs=mm_kwargs, mm_missing_prompt_updates=updates)
+    merge_args = dict(cache=_stand_ins.processor_cache(), mm_hashes={"image": ["probe"]},
+                      mm_is_cached={"image": [False]}, mm_missing_kwargs=_items(4, 4),
+                      mm_missing_prompt_updates=updates)
     prompt = [_TEXT, _PAD, _TEXT]
     params = inspect.signature(cls._maybe_apply_prompt_updates).parameters
     args: dict[str, Any] = {"mm_items": _Counts({"image": 1})}
     if "mm_res" in params:  # 0.32+: one MultiModalProcessingResult
-        result_cls = processing.MultiModalProcessingResult  # a NamedTuple in 0.32-0.33
+        result_cls = processing.MultiModalProcessingResult  # a NamedTuple in 0.32-0.34
         names = set(getattr(result_cls, "_fields", ())) or set(inspect.signature(result_cls).parameters)
         values = {"prompt_ids": prompt, "kwargs": None, "hashes": {"image": ["probe"]}, "prompt_updates": None}
         args["mm_res"] = (result_cls, {k: v for k, v in values.items() if k in names})
@@ -442,6 +451,40 @@ def _probe_request(module: ModuleType) -> tuple[Any, dict[str, Any], dict[str, A
     if unknown:
         raise TypeError(f"_maybe_apply_prompt_updates takes parameters the probe does not know: {sorted(unknown)}")
     return proc, merge_args, args
+
+
+def _guard_works(proc: Any, merge_args: Mapping[str, Any]) -> str | None:
+    """Where vLLM's own path could not be run: whether the guard's own :func:`check` works on this vLLM's items and
+    resolved prompt updates -- it refuses the probe's 2-pads / 1-embedding item with its error and passes the same
+    placeholder for an item whose tensors (one 8x4-patch slice) give 2. Returns None if it does, else what went
+    wrong."""
+    updates = merge_args["mm_missing_prompt_updates"]
+    try:
+        check(proc, merge_args["mm_missing_kwargs"], updates)
+    except PlaceholderMismatchError:
+        pass
+    except Exception as exc:  # noqa: BLE001
+        return f"its check raised {type(exc).__name__}: {exc}"
+    else:
+        return "its check let the 2-pads / 1-embedding item through"
+    try:
+        check(proc, _items(8, 4), updates)
+    except Exception as exc:  # noqa: BLE001
+        return f"its check refused an item whose counts agree ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _undetermined(why: str, proc: Any = None, merge_args: Mapping[str, Any] | None = None) -> Verdict:
+    """``UNDETERMINED``: vLLM's own path could not be judged. A guard only refuses a request the engine would die on,
+    so where its own check is shown to work on this vLLM's objects (:func:`_guard_works`) it is applied anyway
+    (``guard=True``: ``auto`` applies it) rather than leaving the user without the protection."""
+    failed = "the probe's request could not be built" if proc is None else _guard_works(proc, merge_args or {})
+    if failed is None:
+        return Verdict(State.UNDETERMINED, f"{why}; the guard's own check works on this vLLM's items (it refuses a "
+                                           "2-pads / 1-embedding image and passes a 2 / 2 one), so it is applied: it "
+                                           "refuses only what the engine would die on", guard=True)
+    return Verdict(State.UNDETERMINED, f"{why}; the guard is not applied ({failed}): a placeholder mismatch kills "
+                                       f"the engine here")
 
 
 def probe(module: ModuleType) -> Verdict:
@@ -464,7 +507,7 @@ def probe(module: ModuleType) -> Verdict:
     try:
         proc, merge_args, args = _probe_request(module)
     except Exception as exc:  # noqa: BLE001 - an unknown layout of vLLM's processing classes
-        return Verdict(State.UNDETERMINED, f"probe could not be set up: {type(exc).__name__}: {exc}")
+        return _undetermined(f"probe could not be set up: {type(exc).__name__}: {exc}")
     stage = "_merge_mm_kwargs"
     try:
         mm_kwargs, mm_updates = cls._merge_mm_kwargs(proc, **merge_args)
@@ -479,11 +522,11 @@ def probe(module: ModuleType) -> Verdict:
         return Verdict(State.CORRECT, f"a placeholder whose count disagrees with its item's tensors is refused "
                                       f"before the engine ({stage}: {exc})")
     except Exception as exc:  # noqa: BLE001
-        return Verdict(State.UNDETERMINED, f"probe failed in {stage}: {type(exc).__name__}: {exc}")
+        return _undetermined(f"probe failed in {stage}: {type(exc).__name__}: {exc}", proc, merge_args)
     try:
         (ph,) = placeholders["image"]
         n = int(ph.is_embed.sum()) if getattr(ph, "is_embed", None) is not None else int(ph.length)
     except Exception as exc:  # noqa: BLE001
-        return Verdict(State.UNDETERMINED, f"vLLM's placeholders not readable: {type(exc).__name__}: {exc}")
+        return _undetermined(f"vLLM's placeholders not readable: {type(exc).__name__}: {exc}", proc, merge_args)
     return Verdict(State.BROKEN, f"vLLM's processor lets an image placeholder of {n} pads through for an item whose "
                                  "tensors give 1 vision embedding (the engine would die on it)")

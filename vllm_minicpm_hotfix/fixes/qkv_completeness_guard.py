@@ -26,21 +26,29 @@ filled every shard; one that brings some shards of a parameter but not all is.
 
 The decision
 ------------
-:func:`probe` runs the installed top-level ``load_weights`` -- as it is at that moment, so with the q/k/v loader fix
-where that was applied before this fix (the registry's order) -- on the q/k/v loader fix's stand-in model (vLLM's real
-classes created without ``__init__``, parameters that record what their weight loader receives), twice: fed the six
-q/k/v tensors, fed them without ``k_proj.bias``, and fed none of them.
+:func:`probe` judges the path a user's load takes: the installed top-level ``load_weights`` -- as it is at that
+moment, so with the q/k/v loader fix where that was applied before this fix (the registry's order) -- then, on the
+names it returns, vLLM's own "weights not initialized" check, ``DefaultModelLoader.track_weights_loading`` (what
+``DefaultModelLoader.load_weights`` runs for an unquantized checkpoint). The model is the q/k/v loader fix's stand-in
+(vLLM's real classes created without ``__init__``, parameters that record what their weight loader receives), its
+``qkv_proj`` given what the check reads: vLLM's ``UnquantizedLinearMethod`` and, where the layer class keeps vLLM's
+shard bookkeeping (``StackedColumnParallelLinear``, 0.34+), that state, each weight loader reporting its shard to
+``validate_shard_id`` as vLLM's own do. It is fed the six q/k/v tensors, them without ``k_proj.bias``, and none of
+them (the rest of the stand-in counts as loaded).
 
-* ``CORRECT`` (not needed), *not applicable*, if it does not even load the complete q/k/v set: stock 0.25-0.29,
-  whose q/k/v loading is broken -- the q/k/v loader fix is the one for them (it checks completeness itself);
-* ``BROKEN`` (needed) if either incomplete set loads without raising -- stock vLLM 0.22-0.24 and 0.30+;
-* ``CORRECT`` (not needed), *not applicable*, if both raise: the q/k/v loader fix is applied. Not applicable, so
-  ``force`` (which applies the loader everywhere) does not stack a second check on the loader's: one clear error per
-  bad checkpoint, never two.
+* ``CORRECT`` (not needed), *not applicable*, if ``load_weights`` does not even load the complete q/k/v set: stock
+  0.25-0.29, whose q/k/v loading is broken -- the q/k/v loader fix is the one for them (it checks completeness itself);
+* ``BROKEN`` (needed) if either incomplete set gets through without an error -- stock vLLM 0.22-0.24 and 0.30-0.33
+  (both sets; their check exempts every unquantized linear layer), and 0.34 (its check refuses the set without
+  ``k_proj.bias``, naming ``qkv_proj.bias.k``, but a layer that received no shard at all is left to the per-parameter
+  rule, which exempts it: no q/k/v at all still loads). The reason names the sets the loader refuses;
+* ``CORRECT`` (not needed), *not applicable*, if both are refused: the q/k/v loader fix is applied, or a vLLM whose
+  own load refuses both. Not applicable, so ``force`` (which applies the loader everywhere) does not stack a second
+  check on the loader's: one clear error per bad checkpoint, never two.
 * Applicable only if the installed ``load_weights``, wrapped by this guard, loads the complete q/k/v set without an
-  error (i.e. it passes every shard through the parameters' weight loaders, which the guard observes); otherwise
-  ``UNDETERMINED`` and not applied, ``force`` included -- a guard that cannot see the shards would refuse a good
-  checkpoint.
+  error (i.e. it passes every shard through the parameters' weight loaders, which the guard observes), and vLLM's
+  check accepts the complete set; otherwise ``UNDETERMINED`` and not applied, ``force`` included -- a guard that
+  cannot see the shards would refuse a good checkpoint.
 * ``UNRECOGNISED`` where the q/k/v loader fix does not recognise the layout.
 
 Where it is needed and not applied (no hotfix, or ``VLLM_MINICPM_HOTFIX=off``), ``doctor`` shows a ``WARN`` row, not a
@@ -193,18 +201,63 @@ _INCOMPLETE_SETS = {
 }
 
 
-def _feed(loader: Any, module: ModuleType, names: list[str]) -> None:
+def _loader_ready(model: Any) -> None:
+    """Make the stand-in model's bare ``qkv_proj`` what vLLM's "weights not initialized" check looks at, as vLLM's
+    ``LinearBase.__init__`` would leave it for an unquantized layer of one head of size 1 per shard: its
+    ``quant_method`` (``UnquantizedLinearMethod``, whose ``process_weights_after_loading`` is what the check's
+    exemption reads) and, where the class keeps vLLM's shard bookkeeping (``StackedColumnParallelLinear`` in 0.34+:
+    ``validate_shard_id(shard, param)`` records, ``pop_missing_shards`` reports), that bookkeeping's state; each
+    parameter's weight loader then reports its shard to ``validate_shard_id`` first, as vLLM's own QKV weight loaders
+    do."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    qkv = model.vit_merger.self_attn.qkv_proj
+    qkv.quant_method = UnquantizedLinearMethod()
+    if not callable(getattr(type(qkv), "pop_missing_shards", None)):
+        return  # 0.22-0.33: no shard bookkeeping; the check is per parameter only
+    qkv.loaded_shard_ids = {}
+    qkv.num_heads = qkv.num_kv_heads = qkv.head_size = qkv.v_head_size = 1
+    qkv.total_num_heads = qkv.total_num_kv_heads = 1
+    for p in qkv.parameters(recurse=False):
+        def reported(param: Any, loaded_weight: Any, shard: Any = None, *, _record: Any = p.weight_loader) -> Any:
+            qkv.validate_shard_id(shard, param)
+            return _record(param, loaded_weight, shard)
+
+        p.weight_loader = reported
+
+
+class _LoaderRefused(Exception):
+    """vLLM's ``DefaultModelLoader.track_weights_loading`` refused the probe's load (its error, shortened)."""
+
+
+def _load(loader: Any, module: ModuleType, names: list[str]) -> None:
+    """A model load as vLLM's ``DefaultModelLoader.load_weights`` does it for an unquantized checkpoint holding the
+    vit_merger tensors ``names`` (and, for the rest of the stand-in model, everything): ``loader(model, weights)``
+    (the top-level ``load_weights``), then, where it returns the loaded names, vLLM's own
+    ``DefaultModelLoader.track_weights_loading`` on them (created without ``__init__``; it reads nothing of the
+    instance). Raises what ``loader`` raises, and :class:`_LoaderRefused` for what the check raises."""
     import torch
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     model = _stand_in_model(module, [])
-    loader(model, iter([(n, torch.full((1,) if n.endswith("bias") else (1, 1), float(i + 1)))
-                        for i, n in enumerate(names)]))
+    _loader_ready(model)
+    loaded = loader(model, iter([(n, torch.full((1,) if n.endswith("bias") else (1, 1), float(i + 1)))
+                                 for i, n in enumerate(names)]))
+    if loaded is None:  # vLLM tracks only a load_weights that returns the loaded names
+        return
+    rest = {n for n, _ in model.named_parameters() if f".{FUSED}." not in n}
+    try:
+        DefaultModelLoader.__new__(DefaultModelLoader).track_weights_loading(model, set(loaded) | rest)
+    except Exception as exc:  # noqa: BLE001
+        raise _LoaderRefused(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 def probe(module: ModuleType) -> Verdict:
-    """Does the installed top-level ``load_weights`` let an incomplete vit_merger q/k/v set through silently?
+    """Does a model load -- the installed top-level ``load_weights``, then vLLM's own "weights not initialized" check
+    (``DefaultModelLoader.track_weights_loading``), the path a user's load takes -- let an incomplete vit_merger q/k/v
+    set through silently?
 
-    Returns ``BROKEN`` (the guard is needed), ``CORRECT`` (not applicable: the installed loader refuses already),
+    Returns ``BROKEN`` (the guard is needed), ``CORRECT`` (not applicable: the installed load refuses already),
     ``UNDETERMINED`` (not applicable: the guard cannot observe this vLLM's q/k/v loading) or ``UNRECOGNISED``; see the
     module docstring. Never raises; leaves ``module`` unchanged; a few milliseconds.
     """
@@ -215,7 +268,14 @@ def probe(module: ModuleType) -> Verdict:
         loader = getattr(module, MODEL_CLASS).load_weights
         attn_cls = getattr(module, ATTN_CLASS)
         try:
-            _feed(loader, module, list(PROBE_NAMES))
+            _load(loader, module, list(PROBE_NAMES))
+        except _LoaderRefused as exc:
+            return Verdict(
+                State.UNDETERMINED,
+                f"vLLM's model loader refuses the probe's complete q/k/v set ({exc}): the probe cannot tell what it "
+                f"does with an incomplete one",
+                applicable=False,
+            )
         except Exception as exc:  # noqa: BLE001
             return Verdict(
                 State.CORRECT,
@@ -227,7 +287,9 @@ def probe(module: ModuleType) -> Verdict:
         silent, refused = [], []
         for label, names in _INCOMPLETE_SETS.items():
             try:
-                _feed(loader, module, names)
+                _load(loader, module, names)
+            except _LoaderRefused as exc:  # vLLM's model loader refuses it (0.34+: a shard missing)
+                refused.append(f"{label}: vLLM's model loader refuses it ({exc})")
             except Exception as exc:  # noqa: BLE001 - refusing is what we look for
                 refused.append(f"{label}: {type(exc).__name__}: {str(exc)[:200]}")
             else:
@@ -235,24 +297,25 @@ def probe(module: ModuleType) -> Verdict:
         if not silent:
             return Verdict(
                 State.CORRECT,
-                f"the installed load_weights already refuses a checkpoint missing vit_merger q/k/v shards "
+                f"the installed load already refuses a checkpoint missing vit_merger q/k/v shards "
                 f"({'; '.join(refused)})",
                 applicable=False,
             )
         try:
-            _feed(lambda model, weights: model_load_weights(MethodType(loader, model), model, (weights,), {},
+            _load(lambda model, weights: model_load_weights(MethodType(loader, model), model, (weights,), {},
                                                             attn_cls=attn_cls), module, list(PROBE_NAMES))
         except Exception as exc:  # noqa: BLE001
             return Verdict(
                 State.UNDETERMINED,
-                f"vLLM's load_weights loads {' and '.join(silent)} without an error, but the guard cannot observe its "
+                f"vLLM's load lets {' and '.join(silent)} through without an error, but the guard cannot observe its "
                 f"q/k/v loading (a complete set fails under the guard: {type(exc).__name__}: {exc})",
                 applicable=False,
             )
     except Exception as exc:  # noqa: BLE001 - an unknown layout of vLLM's own classes
         return Verdict(State.UNDETERMINED, f"probe could not run: {type(exc).__name__}: {exc}", applicable=False)
+    also = f"; it refuses {'; '.join(refused)}" if refused else ""
     return Verdict(
         State.BROKEN,
-        f"vLLM's own load_weights loads {' and '.join(silent)} without an error (the missing rows of qkv_proj keep "
-        f"uninitialised memory)",
+        f"vLLM's own load (load_weights and its model loader's check) lets {' and '.join(silent)} through without an "
+        f"error (the missing rows of qkv_proj keep uninitialised memory){also}",
     )
