@@ -49,7 +49,7 @@ crops it returned for that item (vLLM's ``tgt_sizes``), as ``MiniCPMOcrProcessor
 image's (``<image_id>`` kept under ``use_image_id: false``, the sliced grid under ``slice_mode: false``), gives way to
 the 4.6 class's (:func:`ocr_get_prompt_updates`). The W/H order and the layout are fixed together, as one replacement:
 fixing the swap alone on 0.22-0.23 uncovers the full rows/columns bug.
-``processor_downsample_mode`` (transformers >= 5.23's required ``downsample_mode``) stays a fix of its own: this one
+``processor_downsample_mode`` (transformers >= 5.21's required ``downsample_mode``) stays a fix of its own: this one
 passes ``downsample_mode`` to transformers itself wherever the installed signature takes it and never calls
 ``_compute_visual_tokens``, so it is correct with or without that fix; ``_compute_visual_tokens`` (which vLLM code
 outside these producers may call) keeps needing it.
