@@ -31,10 +31,13 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
     that attribute this fix's wrapper calls: two fixes on one attribute); ``left_out``
     (``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` names it: the hook left it out in vLLM's processes)."""
     recorded = (child.get("status") or {}).get("fixes") or {}
+    members = (child.get("member_records") or {}).get("fixes") or {}  # the per-member rows once all were imported
     first_use = child.get("first_use") or {}
     out: dict[str, dict[str, Any]] = {}
     for name, probe in (child.get("fixes") or {}).items():
         rec = recorded.get(name) or {}
+        if name in members:
+            rec = {**rec, "models": members[name]}
         deferred = bool(rec.get("first_use"))
         if name in first_use:  # probed at first use in vLLM's processes; the child probed it as that use would
             rec = {**rec, **first_use[name]}
