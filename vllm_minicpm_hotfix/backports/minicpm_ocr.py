@@ -28,6 +28,15 @@ is not there (0.32 and 0.33 with the transformers they require). ``VLLM_MINICPM_
 
 The backport interface (:mod:`vllm_minicpm_hotfix.backports`): ``NAME``, ``LABEL``, ``ARCH``, ``MEMBER``,
 :func:`probe`, :func:`register`, :func:`unregister`. Nothing here imports vLLM, torch or transformers at import time.
+
+Upstream
+--------
+none known (vLLM 0.33 has its own ``minicpm_ocr.py``).
+
+Remove when
+-----------
+its probe answers ``correct`` (vLLM's own ``MiniCPMOcrForConditionalGeneration`` in the registry) on every release the
+hotfix supports: once 0.22-0.32 are no longer supported.
 """
 
 from __future__ import annotations

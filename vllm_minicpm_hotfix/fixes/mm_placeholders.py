@@ -63,6 +63,17 @@ with a tiny in-memory tokenizer, patch 14 and ``scale_resolution`` 112 -- for th
 defect above, sizes found by running each family's arithmetic) and compares each resolved text with transformers' for
 the same size and kwargs. ``broken`` names every case that differs; ``correct`` if all are equal. No pixels are
 processed: ~10-50 ms.
+
+Upstream
+--------
+vllm-project/vllm#45244 (width and height swapped, fixed in 0.24), vllm-project/vllm#45918 (rows and columns swapped,
+fixed in 0.25) and vllm-project/vllm#44509 (a video frame's size read as CHW, fixed in 0.23). For the request's own
+kwargs (``slice_mode``, ``scale_resolution``, ``use_image_id``, ``max_slice_nums`` before 0.32) none known.
+
+Remove when
+-----------
+its probe finds vLLM's own resolved text equal to transformers' in every case of :data:`CASES` on every release the
+hotfix supports; no release measured so far (0.34.0 included) passes the request ``slice_mode`` case.
 """
 
 from __future__ import annotations

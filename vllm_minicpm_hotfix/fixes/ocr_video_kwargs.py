@@ -27,6 +27,16 @@ without ``__init__``, over a stand-in processing info whose image processor is t
 (``_stand_ins``; it rejects unknown kwargs as OCR's does) -- on a one-frame 28x28 video: ``broken`` if it raises
 ``TypeError`` naming an unexpected keyword argument, ``correct`` if it returns. A class that does not override 4.6's
 ``process_videos`` is ``correct``, not applicable. ~5 ms where it runs (vLLM 0.33 serving MiniCPM-OCR).
+
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe sees the OCR ``process_videos`` of every release the hotfix supports with vLLM's own MiniCPM-OCR return for
+a one-frame video, no ``TypeError`` naming an unexpected keyword (0.33.0 with transformers forced past its pin, and
+0.34.0, raise it).
 """
 
 from __future__ import annotations

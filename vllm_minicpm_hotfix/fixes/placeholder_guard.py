@@ -62,6 +62,16 @@ vLLM 0.22-0.33: it checks item counts, never embedding counts), ``correct`` if e
 that validates this itself, or the guard applied), ``undetermined`` if the stand-in cannot be built,
 ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever the hooks exist.
 
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe sees stock vLLM itself refuse (a ``ValueError``) the request whose placeholder pads differ from the
+embeddings its tensors give, before the engine, on every release the hotfix supports; no release measured so far
+compares embedding counts.
+
 """
 
 from __future__ import annotations

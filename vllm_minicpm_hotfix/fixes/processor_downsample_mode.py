@@ -59,6 +59,18 @@ probe found vLLM correct or could not tell (the wrapper only adds the argument w
 that passes it the patch is a no-op). ``force`` does *not* patch where transformers' methods lack the parameter or
 vLLM's layout is unknown: there the wrapper could only do nothing or raise, and vLLM is better left exactly as shipped.
 
+Upstream
+--------
+none known. vLLM 0.34.0's ``minicpmv4_6.py`` and ``minicpm_ocr.py`` pass ``downsample_mode`` themselves where
+transformers is at least 5.21 (``RESIZE_TAKES_DOWNSAMPLE_MODE``); the change that did so was not found.
+
+Remove when
+-----------
+its probe sees vLLM's own ``_compute_visual_tokens`` pass ``downsample_mode`` to every ``find_best_resize`` /
+``get_refine_size`` call whose signature takes it (``correct``, as on 0.34.0), on every release and transformers the
+hotfix supports together: once 0.22-0.30 (no transformers cap) and 0.31-0.33 with a transformers forced past their pin
+are no longer supported.
+
 """
 
 from __future__ import annotations
