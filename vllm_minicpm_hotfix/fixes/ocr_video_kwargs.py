@@ -5,8 +5,8 @@ What breaks
 vLLM 0.33's own ``MiniCPMOcrMultiModalProcessor.process_videos`` (``vllm/model_executor/models/minicpm_ocr.py``)
 drops the request's OCR upsize options and pins three of them off (``disable_small_image_upsize``,
 ``adaptive_small_image_upsize``, ``adaptive_tile_upsize``), then runs 4.6's ``process_videos``, which hands them to
-transformers' image processor for every frame. No released transformers takes those names: 5.24's
-``MiniCPMOcrImageProcessor`` (the first with MiniCPM-OCR) has one option, ``small_image_upsize`` (``"always"``,
+transformers' image processor for every frame. No released transformers takes those names: ``MiniCPMOcrImageProcessor``
+(5.21.0-5.25.0, every release with MiniCPM-OCR) has one option, ``small_image_upsize`` (``"always"``,
 ``"never"``, ``"adaptive"``), and its kwargs check raises ``TypeError: MiniCPMOcrImageProcessorKwargs.__init__() got
 an unexpected keyword argument 'disable_small_image_upsize'``: every video request fails.
 
