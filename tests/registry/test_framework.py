@@ -2,7 +2,9 @@
 
 * **Every fix is a uniform card**: ``NAME`` is its module's name, ``LABEL``, ``MODELS`` (members of ``FAMILY``),
   ``AFTER`` (known fixes), ``PATCHES`` of the framework's kinds only, and a docstring of the one template (a summary
-  line, then exactly the headings *What breaks*, *What the fix does*, *The decision*, in that order).
+  line, then exactly the headings *What breaks*, *What the fix does*, *The decision*, *Upstream* (the vLLM issue or
+  PR, or "none known") and *Remove when* (what its probe sees on a release that needs it no more), in that order;
+  the backports' cards likewise, with *What is missing* and *What the backport does*).
 * **Order is data**: ``REGISTRY`` lists each fix after every fix its ``AFTER`` names.
 * **A fix holds only its behaviour**: no fix module calls the class policy (``covers``, ``note_unknown``,
   ``acts_for``), binds arguments (``binder``), builds its own wrapper (``functools.wraps`` / ``update_wrapper``) or
@@ -35,16 +37,37 @@ from vllm_minicpm_hotfix.fixes import REGISTRY, _base
 pytestmark = pytest.mark.placed(*LOGIC_ENV)
 
 PACKAGE = Path(vllm_minicpm_hotfix.__file__).parent
-HEADINGS = ["What breaks", "What the fix does", "The decision"]
+HEADINGS = ["What breaks", "What the fix does", "The decision", "Upstream", "Remove when"]
+#: A backport's card (vllm_minicpm_hotfix/backports/): the same template for an architecture vLLM lacks.
+BACKPORT_HEADINGS = ["What is missing", "What the backport does", "The decision", "Upstream", "Remove when"]
 #: Names a fix module may not call or assign: the wrapper's opening is the framework's.
 FORBIDDEN_CALLS = {"covers", "note_unknown", "acts_for", "binder", "wraps", "update_wrapper"}
 FORBIDDEN_ATTRS = {"__wrapped__", "__vllm_minicpm_hotfix__", "__vllm_minicpm_hotfix_original__"}
 
 
+def _heading_lines(lines: list[str]) -> list[int]:
+    return [i for i in range(len(lines) - 1)
+            if lines[i].strip() and re.fullmatch(r"-{3,}", lines[i + 1].strip() or "x")]
+
+
 def _headings(doc: str) -> list[str]:
     lines = doc.splitlines()
-    return [lines[i].strip() for i in range(len(lines) - 1)
-            if lines[i].strip() and re.fullmatch(r"-{3,}", lines[i + 1].strip() or "x")]
+    return [lines[i].strip() for i in _heading_lines(lines)]
+
+
+def _section(doc: str, heading: str) -> str:
+    """The text under ``heading`` (up to the next heading or the end), on one line."""
+    lines = doc.splitlines()
+    starts = _heading_lines(lines)
+    i = next(i for i in starts if lines[i].strip() == heading)
+    end = next((j for j in starts if j > i), len(lines))
+    return " ".join(lines[i + 2:end]).strip()
+
+
+def _upstream_ok(doc: str) -> bool:
+    """An *Upstream* section names a vLLM issue or PR (``vllm-project/vllm#N``) or says ``none known``."""
+    text = _section(doc, "Upstream")
+    return bool(re.search(r"vllm-project/vllm#\d+", text)) or text.lower().startswith("none known")
 
 
 def _tree(fix: types.ModuleType) -> ast.Module:
@@ -63,9 +86,23 @@ def test_every_fix_is_a_uniform_card():
         doc = fix.__doc__ or ""
         assert doc.splitlines()[0].strip(), fix.NAME  # a summary line first
         assert _headings(doc) == HEADINGS, (fix.NAME, _headings(doc))
+        assert _upstream_ok(doc) and _section(doc, "Remove when"), fix.NAME
         for target, value in fix.PATCHES.items():
             inner = value.factory if isinstance(value, _base.OnImport) else value
             assert isinstance(inner, _base.Patch) or callable(inner), (fix.NAME, target, value)
+
+
+def test_every_backport_is_a_uniform_card():
+    """Each backport's docstring: a summary line, then exactly :data:`BACKPORT_HEADINGS`, in that order; its
+    *Upstream* names a vLLM issue or PR or says "none known", and *Remove when* is not empty."""
+    from vllm_minicpm_hotfix.backports import BACKPORTS
+
+    assert BACKPORTS
+    for bp in BACKPORTS:
+        doc = bp.__doc__ or ""
+        assert doc.splitlines()[0].strip(), bp.NAME
+        assert _headings(doc) == BACKPORT_HEADINGS, (bp.NAME, _headings(doc))
+        assert _upstream_ok(doc) and _section(doc, "Remove when"), bp.NAME
 
 
 def test_registry_order_follows_after():

@@ -97,6 +97,21 @@ def test_removal_sentence():
     assert out["sentence"] == "needed, and no measured release fixes all of them" and out["release"] is None
 
 
+def test_known_releases_come_from_the_facts():
+    """doctor's advice on a fix its probe cannot judge names the releases of the recorded run, read from the
+    facts: the oldest and newest measured ``major.minor`` (hand-made facts, then the packaged ones), nothing when
+    the facts list none."""
+    assert releases.known_range(FACTS) == "0.22-0.33"
+    one = {"environments": [dict(FACTS["environments"][0], vllm="0.28.0+cpu")]}
+    assert releases.known_range(one) == "0.28"
+    assert releases.known_range({"environments": []}) is None
+    shipped = sorted({tuple(int(x) for x in e["vllm"].split(".")[:2])
+                      for e in json.loads(releases.DATA.read_text())["environments"]})
+    want = f"{shipped[0][0]}.{shipped[0][1]}-{shipped[-1][0]}.{shipped[-1][1]}"
+    advice = doctor_judge.mode_advice({"child": {}}, {"stock": "undetermined"})
+    assert advice.endswith(f"(or use a vLLM release this hotfix was measured on, {want})"), advice
+
+
 def test_removal_on_the_packaged_facts():
     """On the shipped facts: for each measured environment's own needs, no sentence claims a release that the
     recorded run shows needing one of them."""

@@ -3,8 +3,8 @@
 What is missing
 ---------------
 Only vLLM 0.33+ registers ``MiniCPMOcrForConditionalGeneration`` (``vllm/model_executor/models/minicpm_ocr.py``), and
-0.33 requires transformers ``<5.21``, which has no ``minicpm_ocr``. transformers 5.24 reads an OCR checkpoint
-(``MiniCPMOcrConfig``, ``MiniCPMOcrProcessor``), and vLLM 0.22-0.30 install it, but their registry has no such
+0.33 requires transformers ``<5.21``, which has no ``minicpm_ocr``. transformers from 5.21.0 reads an OCR checkpoint
+(``MiniCPMOcrConfig``, ``MiniCPMOcrProcessor``), and vLLM 0.22-0.30 install such a one (5.24), but their registry has no such
 architecture: ``LLM(model=<an OCR checkpoint>)`` and ``vllm serve`` stop at start-up (``Model architectures
 ['MiniCPMOcrForConditionalGeneration'] are not supported for now``).
 
@@ -28,6 +28,15 @@ is not there (0.32 and 0.33 with the transformers they require). ``VLLM_MINICPM_
 
 The backport interface (:mod:`vllm_minicpm_hotfix.backports`): ``NAME``, ``LABEL``, ``ARCH``, ``MEMBER``,
 :func:`probe`, :func:`register`, :func:`unregister`. Nothing here imports vLLM, torch or transformers at import time.
+
+Upstream
+--------
+none known (vLLM 0.33 has its own ``minicpm_ocr.py``).
+
+Remove when
+-----------
+its probe answers ``correct`` (vLLM's own ``MiniCPMOcrForConditionalGeneration`` in the registry) on every release the
+hotfix supports: once 0.22-0.32 are no longer supported.
 """
 
 from __future__ import annotations

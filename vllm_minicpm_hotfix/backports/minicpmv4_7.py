@@ -27,6 +27,15 @@ stays ``missing`` once registered.
 
 The backport interface (:mod:`vllm_minicpm_hotfix.backports`): ``NAME``, ``LABEL``, ``ARCH``, ``MEMBER``,
 :func:`probe`, :func:`register`, :func:`unregister`. Nothing here imports vLLM, torch or transformers at import time.
+
+Upstream
+--------
+none known (vLLM 0.32 has its own ``minicpmv4_7.py``).
+
+Remove when
+-----------
+its probe answers ``correct`` (vLLM's own ``MiniCPMV4_7ForConditionalGeneration`` in the registry) on every release
+the hotfix supports: once 0.22-0.31 are no longer supported.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The measured releases: which fixes the hotfix applies on each vLLM release of the recorded test run, and the
-sentence ``doctor`` ends with (is the package still needed here, and which measured release needs none of it).
+"""The measured releases: which fixes the hotfix applies on each vLLM release of the recorded test run, the
+sentence ``doctor`` ends with (is the package still needed here, and which measured release needs none of it), and
+the range of releases ``doctor`` points a user to (:func:`known_range`).
 
 The facts ship with the package as ``data/releases.json``, derived by ``scripts/release-facts`` (:func:`derive`) from
 the recorded run ``docs/results/test-run.json`` that ``scripts/test --record`` writes; tests/release/test_release.py fails
@@ -48,6 +49,17 @@ def load(path: Path = DATA) -> dict[str, Any]:
 def _key(version: str) -> tuple[int, ...]:
     """``"0.28.0"`` -> ``(0, 28, 0)``; a local or dev suffix is ignored (``0.28.0+cpu``, ``0.29.0rc1`` -> 0.29.0)."""
     return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def known_range(facts: dict[str, Any] | None = None) -> str | None:
+    """The vLLM releases the recorded run measured, as ``doctor`` names them to a user: ``"0.22-0.33"`` (the oldest
+    and the newest measured ``major.minor``; one release alone: ``"0.28"``), or None when the facts list none."""
+    facts = load() if facts is None else facts
+    keys = sorted({_key(e["vllm"])[:2] for e in facts.get("environments", []) if e.get("vllm")})
+    if not keys:
+        return None
+    first, last = (".".join(map(str, k)) for k in (keys[0], keys[-1]))
+    return first if first == last else f"{first}-{last}"
 
 
 def removal(needed: list[str], installed: str | None, facts: dict[str, Any] | None = None) -> dict[str, Any]:

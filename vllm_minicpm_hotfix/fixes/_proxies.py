@@ -59,7 +59,7 @@ def _with_mode(method: Callable[..., Any], mode: Any, args: tuple, kwargs: dict)
 class ModeDefaultingImageProcessor(wrapt.ObjectProxy):
     """A transformers MiniCPM-V 4.6 image processor (``MiniCPMV4_6ImageProcessor`` /
     ``MiniCPMV4_6ImageProcessorPil``) whose ``find_best_resize`` / ``get_refine_size`` get ``downsample_mode`` when
-    the caller does not bind it and the installed signature takes it (transformers >= 5.23: ``find_best_resize(
+    the caller does not bind it and the installed signature takes it (transformers >= 5.21: ``find_best_resize(
     image_size, scale_resolution, patch_size, downsample_mode, allow_upscale=False)``, ``get_refine_size(image_size,
     grid, scale_resolution, patch_size, downsample_mode, allow_upscale=False)``, both returning ``(height, width)``).
 

@@ -31,6 +31,16 @@ with 2 x 2 slices) and compares each with :func:`reference_positions`, the layou
 ``broken`` where a position differs (stock 0.32-0.33), ``correct`` where all are equal; ``correct`` and not
 applicable for a model class without canvas M-RoPE (4.6; the hotfix's own 4.7 backport computes transformers'
 positions itself); ``undetermined`` where the stand-in cannot run.
+
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe sees stock ``get_mrope_input_positions`` of vLLM's own ``MiniCPMV4_7ForConditionalGeneration`` give
+transformers' canvas positions, for a config without ``mrope_mode``, on every release the hotfix supports that has
+vLLM's own 4.7 (0.32-0.34 differ).
 """
 
 from __future__ import annotations

@@ -49,6 +49,15 @@ that returns, per slice, as many rows as the mode it is asked for gives):
 stand-in cannot be run, ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever they are
 (on a vLLM that already groups, the wrapper's groups are what vLLM would form itself).
 
+Upstream
+--------
+none known (0.32 groups a batch by mode and flags each video itself).
+
+Remove when
+-----------
+its probe sees stock vLLM give the 16x and the 4x image of one batch 1 and 4 rows, and the 4x video its 4x count, on
+every release the hotfix supports: once 0.22-0.31 are no longer supported.
+
 """
 
 from __future__ import annotations

@@ -22,6 +22,15 @@ Runs the installed ``MiniCPMV4_6ProcessingInfo.get_hf_processor`` on a stand-in 
 whose ``ctx.get_hf_processor()`` returns a real transformers ``MiniCPMV4_6Processor`` (real image and video
 processors, a tiny in-memory tokenizer): ``broken`` if it raises (the ``version`` error) or returns anything but
 that processor, ``correct`` if it returns it. Costs ~10 ms (building the stand-in processor).
+
+Upstream
+--------
+vllm-project/vllm#44980: 0.24+ give the 4.6 class its own ``get_hf_processor`` returning transformers' processor.
+
+Remove when
+-----------
+its probe sees the installed ``get_hf_processor`` return transformers' ``MiniCPMV4_6Processor`` on every release the
+hotfix supports: once 0.23.0, the one release that raises, is no longer supported.
 """
 
 from __future__ import annotations

@@ -29,6 +29,15 @@ checks the built model, which on 0.24 must also have ``lora_manager``); ``unreco
 ``supports_lora``, or the class's ``packed_modules_mapping`` / ``get_mm_mapping`` (without which no LoRA manager can
 wrap the model) are not there.
 
+Upstream
+--------
+vllm-project/vllm#46740: 0.25 adds ``SupportsLoRA`` to the 4.6 class's bases (docs/lora.md).
+
+Remove when
+-----------
+its probe sees the installed ``supports_lora`` accept the class and an instance on every release the hotfix supports:
+once 0.22-0.24 are no longer supported.
+
 """
 
 from __future__ import annotations

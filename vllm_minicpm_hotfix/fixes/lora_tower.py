@@ -51,6 +51,16 @@ declares ``supports_tower_connector_lora`` false; ``correct``: a positive count 
 tower), or a ``ValueError`` (the guard in place: refused clearly); ``unrecognised``: the class, its
 ``get_mm_mapping`` or both budget methods are not there. Under 1 ms; imports no LoRA code.
 
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe gets a positive ``int`` (vLLM wraps the tower) or a clear ``ValueError`` from stock vLLM's
+``get_mm_lora_token_counts`` / ``get_num_mm_encoder_tokens`` for 64 image tokens on every release the hotfix supports;
+every release measured so far answers no count.
+
 """
 
 from __future__ import annotations

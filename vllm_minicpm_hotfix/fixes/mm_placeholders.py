@@ -49,7 +49,7 @@ crops it returned for that item (vLLM's ``tgt_sizes``), as ``MiniCPMOcrProcessor
 image's (``<image_id>`` kept under ``use_image_id: false``, the sliced grid under ``slice_mode: false``), gives way to
 the 4.6 class's (:func:`ocr_get_prompt_updates`). The W/H order and the layout are fixed together, as one replacement:
 fixing the swap alone on 0.22-0.23 uncovers the full rows/columns bug.
-``processor_downsample_mode`` (transformers >= 5.23's required ``downsample_mode``) stays a fix of its own: this one
+``processor_downsample_mode`` (transformers >= 5.21's required ``downsample_mode``) stays a fix of its own: this one
 passes ``downsample_mode`` to transformers itself wherever the installed signature takes it and never calls
 ``_compute_visual_tokens``, so it is correct with or without that fix; ``_compute_visual_tokens`` (which vLLM code
 outside these producers may call) keeps needing it.
@@ -63,6 +63,17 @@ with a tiny in-memory tokenizer, patch 14 and ``scale_resolution`` 112 -- for th
 defect above, sizes found by running each family's arithmetic) and compares each resolved text with transformers' for
 the same size and kwargs. ``broken`` names every case that differs; ``correct`` if all are equal. No pixels are
 processed: ~10-50 ms.
+
+Upstream
+--------
+vllm-project/vllm#45244 (width and height swapped, fixed in 0.24), vllm-project/vllm#45918 (rows and columns swapped,
+fixed in 0.25) and vllm-project/vllm#44509 (a video frame's size read as CHW, fixed in 0.23). For the request's own
+kwargs (``slice_mode``, ``scale_resolution``, ``use_image_id``, ``max_slice_nums`` before 0.32) none known.
+
+Remove when
+-----------
+its probe finds vLLM's own resolved text equal to transformers' in every case of :data:`CASES` on every release the
+hotfix supports; no release measured so far (0.34.0 included) passes the request ``slice_mode`` case.
 """
 
 from __future__ import annotations

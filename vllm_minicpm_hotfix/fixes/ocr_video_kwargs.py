@@ -5,8 +5,8 @@ What breaks
 vLLM 0.33's own ``MiniCPMOcrMultiModalProcessor.process_videos`` (``vllm/model_executor/models/minicpm_ocr.py``)
 drops the request's OCR upsize options and pins three of them off (``disable_small_image_upsize``,
 ``adaptive_small_image_upsize``, ``adaptive_tile_upsize``), then runs 4.6's ``process_videos``, which hands them to
-transformers' image processor for every frame. No released transformers takes those names: 5.24's
-``MiniCPMOcrImageProcessor`` (the first with MiniCPM-OCR) has one option, ``small_image_upsize`` (``"always"``,
+transformers' image processor for every frame. No released transformers takes those names: ``MiniCPMOcrImageProcessor``
+(5.21.0-5.25.0, every release with MiniCPM-OCR) has one option, ``small_image_upsize`` (``"always"``,
 ``"never"``, ``"adaptive"``), and its kwargs check raises ``TypeError: MiniCPMOcrImageProcessorKwargs.__init__() got
 an unexpected keyword argument 'disable_small_image_upsize'``: every video request fails.
 
@@ -27,6 +27,16 @@ without ``__init__``, over a stand-in processing info whose image processor is t
 (``_stand_ins``; it rejects unknown kwargs as OCR's does) -- on a one-frame 28x28 video: ``broken`` if it raises
 ``TypeError`` naming an unexpected keyword argument, ``correct`` if it returns. A class that does not override 4.6's
 ``process_videos`` is ``correct``, not applicable. ~5 ms where it runs (vLLM 0.33 serving MiniCPM-OCR).
+
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe sees the OCR ``process_videos`` of every release the hotfix supports with vLLM's own MiniCPM-OCR return for
+a one-frame video, no ``TypeError`` naming an unexpected keyword (0.33.0 with transformers forced past its pin, and
+0.34.0, raise it).
 """
 
 from __future__ import annotations

@@ -74,6 +74,16 @@ checks refuse the same requests. Where the guard's check does not work either, i
 so (``doctor`` FAILs on it, the summary line lists it under "could not tell"). ``force`` applies it wherever the
 hooks exist.
 
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe sees stock vLLM itself refuse (a ``ValueError``) the request whose placeholder pads differ from the
+embeddings its tensors give, before the engine, on every release the hotfix supports; no release measured so far
+compares embedding counts.
+
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 What breaks
 -----------
-From transformers 5.23, ``MiniCPMV4_6ImageProcessor.find_best_resize(image_size, scale_resolution, patch_size,
+From transformers 5.21.0 (5.20.2 is the last without it: the signatures read in each wheel 5.19.0-5.25.0 on the
+index), ``MiniCPMV4_6ImageProcessor.find_best_resize(image_size, scale_resolution, patch_size,
 downsample_mode, allow_upscale=False)`` and ``get_refine_size(image_size, grid, scale_resolution, patch_size,
 downsample_mode, allow_upscale=False)`` take a required ``downsample_mode`` and round each side to a multiple of
 ``patch_size * 4`` in ``"16x"`` mode and ``patch_size * 2`` in ``"4x"`` mode (transformers <= 5.20: always
@@ -14,9 +15,10 @@ body in every release 0.22-0.33) calls both *without* it::
     ...
     refine_size = image_processor.get_refine_size(hf_image_size, grids, scale_res, patch_size, allow_upscale=True)
 
-so with transformers >= 5.23 every image (and video frame) placeholder count -- the dummy-input profiling at engine
+so with transformers >= 5.21 every image (and video frame) placeholder count -- the dummy-input profiling at engine
 start-up included -- raises ``TypeError: MiniCPMV4_6ImageProcessor.find_best_resize() missing 1 required positional
-argument: 'downsample_mode'``. vLLM 0.31+ pins transformers below that; 0.22-0.30 do not.
+argument: 'downsample_mode'``. vLLM 0.31-0.33 pin transformers below that (< 5.20, < 5.21); 0.22-0.30 do not; 0.34
+allows 5.21-5.22 and passes ``downsample_mode`` itself where transformers is at least 5.21.
 
 What the fix does
 -----------------
@@ -56,6 +58,18 @@ The decision
 probe found vLLM correct or could not tell (the wrapper only adds the argument where vLLM did not bind it, so on a vLLM
 that passes it the patch is a no-op). ``force`` does *not* patch where transformers' methods lack the parameter or
 vLLM's layout is unknown: there the wrapper could only do nothing or raise, and vLLM is better left exactly as shipped.
+
+Upstream
+--------
+none known. vLLM 0.34.0's ``minicpmv4_6.py`` and ``minicpm_ocr.py`` pass ``downsample_mode`` themselves where
+transformers is at least 5.21 (``RESIZE_TAKES_DOWNSAMPLE_MODE``); the change that did so was not found.
+
+Remove when
+-----------
+its probe sees vLLM's own ``_compute_visual_tokens`` pass ``downsample_mode`` to every ``find_best_resize`` /
+``get_refine_size`` call whose signature takes it (``correct``, as on 0.34.0), on every release and transformers the
+hotfix supports together: once 0.22-0.30 (no transformers cap) and 0.31-0.33 with a transformers forced past their pin
+are no longer supported.
 
 """
 

@@ -54,6 +54,18 @@ them (the rest of the stand-in counts as loaded).
 Where it is needed and not applied (no hotfix, or ``VLLM_MINICPM_HOTFIX=off``), ``doctor`` shows a ``WARN`` row, not a
 ``FAIL``: a complete checkpoint loads correctly without it (:data:`SCOPE`); ``vllm-minicpm-hotfix verify --model DIR``
 tells whether a given checkpoint holds every vit_merger q/k/v tensor.
+
+Upstream
+--------
+none known. vLLM 0.34.0's ``DefaultModelLoader`` refuses a checkpoint without ``k_proj.bias`` itself (``Following
+weights were not initialized from checkpoint: {'vit_merger.self_attn.qkv_proj.bias.k'}``, project issue 51); the
+change that did so was not found.
+
+Remove when
+-----------
+its probe sees stock vLLM, on the path a user's load takes, refuse both incomplete q/k/v sets (without
+``k_proj.bias``, and without any q/k/v tensor) on every release the hotfix supports; on 0.34.0 the first is refused,
+the second unmeasured.
 """
 
 from __future__ import annotations

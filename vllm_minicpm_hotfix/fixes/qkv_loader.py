@@ -34,6 +34,21 @@ yields them) and checks that each one reached ``qkv_proj.{weight,bias}`` as the 
 one path covers every way vLLM has packed these tensors: the hand-written loop of 0.22-0.24, the self-attention
 ``WeightsMapper`` of 0.25-0.29, the top-level stacked mapper of 0.30+ and 0.32's ``_stack_vit_merger_qkv``, and main
 builds that stacked nothing at all. Nothing here imports vLLM or torch at import time.
+
+Upstream
+--------
+vllm-project/vllm#49417 (merged 2026-07-22) fixed the loading; in 0.32 ``_stack_vit_merger_qkv`` replaced the
+self-attention ``load_weights`` this fix sets. Still open: vllm-project/vllm#48449 (0.25.0, ``'qkqkv_proj'``) and
+vllm-project/vllm#51842 (0.27.0, ``'k_proj'``), with the fix vllm-project/vllm#52036 proposed for the latter. The
+breakages came with vllm-project/vllm#47058 (the self-attention ``WeightsMapper``: ``'qkqkv_proj'``) and
+vllm-project/vllm#49193 (its keys prefixed with a dot: ``'k_proj'``); vllm-project/vllm#43213 added the hand-written
+loader of 0.22-0.24.
+
+Remove when
+-----------
+its probe sees every one of the six q/k/v tensors reach ``qkv_proj`` as its own shard with its own values through
+stock vLLM's ``load_weights`` on every release the hotfix supports, i.e. once 0.25-0.29 (and pre-0.22 main builds) are
+no longer supported: 0.22-0.24 and 0.30+ already pass.
 """
 
 from __future__ import annotations

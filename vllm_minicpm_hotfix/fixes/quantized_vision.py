@@ -41,6 +41,16 @@ checkpoint folder whose vision layer ``vpm.encoder.layers.0.mlp.fc1`` is stored 
 ``__init__`` reads from the config stops it, after asking the config which quant method that layer gets.
 ``broken``: a quantized one (stock 0.22-0.33); ``correct``: unquantized (a vLLM that honours the names, or this fix
 applied); ``undetermined`` if the stand-in cannot be set up.
+
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe sees vLLM's AWQ config, built from the skip list quantizers write (``model.vision_tower``,
+``model.merger``), give the bf16 vision layer an unquantized method in stock ``__init__`` on every release the hotfix
+supports; every release measured so far quantizes it.
 """
 
 from __future__ import annotations

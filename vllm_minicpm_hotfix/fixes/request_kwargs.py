@@ -57,6 +57,16 @@ The decision
 ``{"slice_mode": "false"}`` whose ``_cached_apply_hf_processor`` (the pixel work) raises a sentinel: ``broken`` if
 the request reaches it (stock vLLM 0.22-0.33), ``correct`` if a ``ValueError`` refuses it first, ``undetermined`` on
 anything else, ``unrecognised`` if the class or method is not there.
+
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe sees stock vLLM's ``apply`` refuse ``{"slice_mode": "false"}`` with a ``ValueError`` before the pixel work
+(``_cached_apply_hf_processor`` never reached) on every release the hotfix supports; every release measured so far
+takes it on to the pixel work.
 """
 
 from __future__ import annotations

@@ -19,6 +19,14 @@ The decision
 ------------
 :func:`probe`: ``broken`` where the installed vLLM's quantization registry lacks ``bitsandbytes``, ``correct`` where
 it has it or where this fix's wrapper is in place, ``unrecognised`` where ``_verify_quantization`` is not there.
+
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe finds ``bitsandbytes`` in the installed quantization registry on every release the hotfix supports.
 """
 
 from __future__ import annotations

@@ -24,6 +24,15 @@ Resolves the installed ``_get_mm_prompt_updates`` for one video (stand-ins over 
 tiny tokenizer, as :mod:`.mm_placeholders` does), hands the update to the installed
 ``_recompute_cached_prompt_update`` with a new index 1 and reads the index back: ``broken`` if it is still 0,
 ``correct`` if it is 1. Costs a few ms.
+
+Upstream
+--------
+none known (0.26 added the video branch to ``_recompute_cached_prompt_update``).
+
+Remove when
+-----------
+its probe reads ``<image_id>1</image_id>`` back from stock vLLM's ``_recompute_cached_prompt_update`` for a cached
+video moved to index 1 on every release the hotfix supports: once 0.22-0.25 are no longer supported.
 """
 
 from __future__ import annotations

@@ -35,6 +35,16 @@ to the installed ``get_video_loader_backend_for_processor``: ``broken`` if that 
 ``correct`` and not applicable where vLLM chooses no video loader by processor name at all (0.22: no
 ``_cached_get_video_processor_cls_name`` or no ``get_video_loader_backend_for_processor``).
 
+Upstream
+--------
+none known (0.32 reads the ``"torchvision"`` entry of transformers' mapping itself).
+
+Remove when
+-----------
+its probe sees stock ``get_video_loader_backend_for_processor`` answer, without a ``TypeError``, for the name
+``_cached_get_video_processor_cls_name`` gives a checkpoint without ``video_processor_type``, on every release the
+hotfix supports: once 0.24-0.31 are no longer supported.
+
 """
 
 from __future__ import annotations

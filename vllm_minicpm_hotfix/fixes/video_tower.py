@@ -30,6 +30,16 @@ processing info supports videos (``get_supported_mm_limits``) -- 0.22-0.33; ``co
 ``undetermined`` if ``__init__`` cannot reach the call on the stand-in; ``unrecognised`` if the classes are not
 there. ``force`` applies wherever ``_mark_tower_model`` exists.
 
+Upstream
+--------
+none known.
+
+Remove when
+-----------
+its probe sees vLLM's own ``__init__`` and ``_mark_tower_model`` mark the vision tower for ``"video"`` as well as
+``"image"`` on every release the hotfix supports; every release measured so far (0.22-0.34) marks it for ``"image"``
+only.
+
 """
 
 from __future__ import annotations

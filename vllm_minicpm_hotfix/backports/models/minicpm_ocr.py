@@ -26,7 +26,7 @@ The classes subclass the installed vLLM's three 4.6 classes (``vllm/model_execut
   computes it. Videos keep 4.6's text (the OCR video processor has no small-image upsize).
 * :class:`MiniCPMOcrProcessingInfo` sizes images from their size alone (vLLM's encoder budget and dummy inputs) with
   4.6's arithmetic on transformers' ``find_best_resize`` / ``get_refine_size``, handing them the mode (transformers
-  >= 5.23 requires it; vLLM's 4.6 body omits it). For ``"always"`` that is the crops' exact size; for ``"adaptive"``
+  >= 5.21 requires it; vLLM's 4.6 body omits it). For ``"always"`` that is the crops' exact size; for ``"adaptive"``
   an upper bound (transformers' adaptive crop is never larger).
 * :class:`MiniCPMOcrForConditionalGeneration` keeps every vision layer.
 """

