@@ -158,7 +158,8 @@ def setups(tmp_path_factory) -> Setups:
 @pytest.fixture(scope="session")
 def processor_expected() -> str:
     """The image-processor fix's verdict for stock vLLM here: every vLLM 0.22-0.33 calls transformers'
-    ``find_best_resize`` without ``downsample_mode``, which is broken exactly when transformers takes it (>= 5.23)."""
+    ``find_best_resize`` without ``downsample_mode``, which is broken exactly when transformers takes it (>= 5.21.0,
+    measured)."""
     from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import (
         MiniCPMV4_6ImageProcessor,
     )

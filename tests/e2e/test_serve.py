@@ -1,7 +1,7 @@
 """Real ``vllm serve`` of the tiny MiniCPM-V 4.6 checkpoint on 127.0.0.1, images on, one server at a time, each
 bounded in time and stopped (its whole process group) after its test, also on failure.
 
-* stock: the server fails to start, with the error stock vLLM hits first here (with transformers >= 5.23 the
+* stock: the server fails to start, with the error stock vLLM hits first here (with transformers >= 5.21.0 the
   image-processor ``TypeError`` in the API server; the ``k_proj`` load error where only the processor is fixed);
 * ``PYTHONPATH=<bundle>`` in an environment without wrapt and without the package installed: healthy, and an
   OpenAI chat completion (sent with the ``openai`` client) with a base64 image returns 200 with generated tokens;
@@ -59,7 +59,7 @@ def stock_first_error(m46, expected) -> str:
     """What stock vLLM raises first while starting the server here."""
     from vllm_minicpm_hotfix.fixes import processor_downsample_mode as processor_fix
 
-    if processor_fix.probe(m46).broken:  # transformers >= 5.23: the placeholder count, in the API server
+    if processor_fix.probe(m46).broken:  # transformers >= 5.21.0: the placeholder count, in the API server
         return DOWNSAMPLE_TYPEERROR
     assert expected[1] is not None, "stock vLLM loads 4.6 correctly here: nothing to fail"
     return expected[1]

@@ -1,12 +1,12 @@
 """MiniCPM-OCR on vLLM's own classes (0.33: ``vllm/model_executor/models/minicpm_ocr.py``), with the transformers that
-can read an OCR checkpoint (5.24, the first with ``minicpm_ocr``, forced past vLLM 0.33's ``<5.21`` pin: the
+can read an OCR checkpoint (5.24; ``minicpm_ocr`` is there from 5.21.0, forced past vLLM 0.33's ``<5.21`` pin: the
 environment ``0.33.0:tf5.24.0``, :data:`support.placement.NARROW_ENVS`). The reference is transformers' own
 ``MiniCPMOcrProcessor`` of the tiny OCR checkpoint transformers writes (``scripts/make_tiny_checkpoint.py --member
 ocr --scale-resolution 448``) and that checkpoint's tensors.
 
 * **Stock** (vLLM's classes as vLLM defines them): every image request raises ``TypeError:
   MiniCPMOcrImageProcessor.find_best_resize() missing 1 required positional argument: 'downsample_mode'`` --
-  vLLM's 4.6 ``_compute_visual_tokens``, which OCR inherits, omits the argument transformers >= 5.23 requires.
+  vLLM's 4.6 ``_compute_visual_tokens``, which OCR inherits, omits the argument transformers >= 5.21.0 requires.
   ``scripts/measure_ocr_stock.py`` shows the same over the whole seeded sweep and every request kwarg.
 * **With the hotfix** (every fix applied as the hook applies them): ``processor_downsample_mode``, which declares
   MiniCPM-OCR (vLLM's OCR info overrides ``_compute_visual_tokens`` with a body that omits the mode as 4.6's does),

@@ -16,7 +16,7 @@ FULL_ENVS = ("0.28.0", "0.32.0")
 #: the same code and the same inputs everywhere).
 LOGIC_ENV = ("0.30.0",)
 #: Environments that run only the tests placed there by name, none of the unplaced ones: a release with a library
-#: forced past the release's own pin for one family member (vLLM 0.33 with transformers 5.24, the first with
+#: forced past the release's own pin for one family member (vLLM 0.33 with transformers 5.24; transformers has
 #: ``minicpm_ocr``: tests/prompt/test_ocr_vllms_own.py), where the rest of the suite shows nothing 0.33.0 does not.
 NARROW_ENVS = ("0.33.0:tf5.24.0",)
 
