@@ -67,6 +67,7 @@ def registered(registry_module, importable, monkeypatch):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.stock_pin
 def test_probe_verdict_is_pinned(registry_module, environment):
     verdict = bp.probe(registry_module)
     assert verdict.state.value == table.backport_verdict(bp.NAME, environment), verdict
