@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_stock_load(m46, release, environment, checkpoint):
     expected = None, table.stock_load_error(environment)
     model = build_vllm_model(checkpoint, load=False)
     if expected[1] is not None:
-        with pytest.raises(ValueError, match=expected[1].replace("(", r"\(")):
+        with pytest.raises(ValueError, match=re.escape(expected[1])):
             load(model, checkpoint)
     else:
         load(model, checkpoint)
@@ -87,7 +88,7 @@ def test_off_does_nothing(m46, expected, tiny):
         assert not _base.is_patched(qkv_loader, m46)
         model = build_vllm_model(tiny, load=False)
         if expected[1] is not None:
-            with pytest.raises(ValueError, match=expected[1].replace("(", r"\(")):
+            with pytest.raises(ValueError, match=re.escape(expected[1])):
                 load(model, tiny)
 
 
