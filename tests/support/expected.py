@@ -108,10 +108,9 @@ def pin(env: tuple[str, str], path: tuple[str, ...], seen: Any) -> Any:
     if recording():
         _record(path, seen)
         return seen
-    try:
-        return _dig(row(env), path)
-    except KeyError:
+    if not _has(row(env) or {}, path):
         pytest.fail(missing(env, path, seen))
+    return _dig(row(env), path)
 
 
 def _fact(env: tuple[str, str], path: tuple[str, ...]) -> Any:
