@@ -102,15 +102,15 @@ def written(source, tmp_path_factory) -> dict[str, Path]:
 
 def stock_outcome(ckpt: Path):
     """What the installed vLLM does with ``ckpt`` as it is now: ``(None, model)`` -- built and loaded -- or
-    ``(["build" | "load", first line of the error], model or None)``."""
+    ``(["build" | "load", the error's text (``expected.error_text``)], model or None)``."""
     try:
         model = build_vllm_model(ckpt, dtype=DTYPE, load=False, model_cls=model_class(ckpt))
     except Exception as exc:  # noqa: BLE001 - what stock vLLM raises is the observation
-        return ["build", str(exc).splitlines()[0] if str(exc) else type(exc).__name__], None
+        return ["build", table.error_text(exc)], None
     try:
         load_checkpoint(model, ckpt)
     except Exception as exc:  # noqa: BLE001
-        return ["load", str(exc).splitlines()[0] if str(exc) else type(exc).__name__], model
+        return ["load", table.error_text(exc)], model
     return None, model
 
 

@@ -74,8 +74,20 @@ def recording() -> str | None:
 
 
 def needs_observing(env: tuple[str, str]) -> bool:
-    """Whether this session must observe the stock facts: no row here, or recording."""
-    return row(env) is None or recording() is not None
+    """Whether this session must observe the stock facts: no row here, a row without a verdict for some fix of the
+    registry (a fix added since it was recorded), or recording."""
+    from vllm_minicpm_hotfix.fixes import names
+
+    r = row(env)
+    return r is None or recording() is not None or not set(names()) <= set(r.get("verdicts", {}))
+
+
+def recorded_now(path: tuple[str, ...]) -> Any:
+    """Recording: the value a pin test of this session recorded at ``path`` (None if none has yet)."""
+    if not recording() or not Path(recording()).is_file():
+        return None
+    found = [v for p, v in map(json.loads, Path(recording()).read_text().splitlines()) if tuple(p) == path]
+    return found[-1] if found else None
 
 
 def missing(env: tuple[str, str], path: tuple[str, ...], seen: Any) -> str:
@@ -181,13 +193,20 @@ def observe(m46: Any, tiny: Path) -> None:
     OBSERVED["load_error"] = observe_load_error(tiny)
 
 
+def error_text(exc: BaseException) -> str:
+    """What a pin records of an error: its message's first line up to the first ``{`` (vLLM prints sets of parameter
+    names there, in an order that changes between processes), or the class name of an error without a message."""
+    text = str(exc).splitlines()[0].split("{")[0].rstrip() if str(exc).strip() else ""
+    return text or type(exc).__name__
+
+
 def observe_load_error(checkpoint: Path) -> str | None:
-    """The first line of what stock vLLM's ``load_weights`` raises on ``checkpoint`` (None: it loads)."""
+    """What stock vLLM's ``load_weights`` raises on ``checkpoint`` (:func:`error_text`; None: it loads)."""
     from support.vllm_build import build_vllm_model, load_checkpoint
 
     model = build_vllm_model(checkpoint, load=False)
     try:
         load_checkpoint(model, checkpoint)
     except ValueError as exc:
-        return str(exc).splitlines()[0]
+        return error_text(exc)
     return None
