@@ -1,8 +1,9 @@
 """Shared fixtures. Every test here runs inside one CPU environment built by ``scripts/cpu-env RELEASE`` (real vLLM,
 real torch, real transformers); ``scripts/test`` runs the suite once per release and names each one.
 
-What each environment is expected to do is written down once, in ``tests/support/expected.py``: tests assert it against the
-vLLM that is actually installed, and fail (never skip) on an environment the table does not know.
+What stock vLLM does in each environment is recorded once, in tests/data/stock.json (``scripts/record-stock``), and read
+through ``tests/support/expected.py``: the tests that pin it are marked ``stock_pin`` and fail (never skip), naming
+what they observed, on an environment without a row; every other test runs there unchanged.
 """
 
 from __future__ import annotations
@@ -34,23 +35,32 @@ def release() -> str:
 
 @pytest.fixture(scope="session")
 def environment() -> tuple[str, str]:
-    """``(vLLM release, transformers version)`` installed here; fails (never skips) if tests/support/expected.py lacks it."""
+    """``(vLLM release, transformers version)`` installed here, recorded in tests/data/stock.json or not (a test that
+    pins a stock fact is marked ``stock_pin`` and fails where there is no row: tests/support/expected.py)."""
     from support import expected as table
 
-    env = table.installed_environment()
-    if env not in table.ENVIRONMENTS:
-        pytest.fail(str(table.UnknownEnvironment(f"vLLM {env[0]} with transformers {env[1]} is not in tests/support/expected.py")))
-    return env
+    return table.installed_environment()
 
 
 @pytest.fixture(scope="session")
-def expected(environment) -> tuple[str, str | None]:
-    """``(the q/k/v probe's stock verdict, the error stock vLLM raises loading a 4.6 checkpoint or None)`` here, from
-    tests/support/expected.py."""
+def stock_facts(m46, environment) -> None:
+    """Where tests/data/stock.json has no row for this environment (or the session records one): the stock facts
+    observed once, first thing in the session, while vLLM's classes are as vLLM defined them."""
+    from support import expected as table
+
+    if table.needs_observing(environment):
+        table.observe(m46, TINY)
+
+
+@pytest.fixture(scope="session")
+def expected(environment, stock_facts) -> tuple[str, str | None]:
+    """``(the q/k/v probe's stock verdict, the error stock vLLM raises loading a 4.6 checkpoint or None)`` here:
+    recorded in tests/data/stock.json, else as observed on stock vLLM in this session. (The tests that pin them,
+    ``stock_pin``, read tests/support/expected.py themselves.)"""
     from support import expected as table
 
     try:
-        return table.verdict("qkv_loader", environment), table.stock_load_error(environment[0])
+        return table.verdict("qkv_loader", environment), table.stock_load_error(environment)
     except table.UnknownEnvironment as exc:
         pytest.fail(str(exc))
 
@@ -86,7 +96,17 @@ def checkpoint(request, tiny: Path) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _stock_between_tests(m46):
+def _stock_pin(request):
+    """A ``stock_pin`` test reads tests/data/stock.json strictly: no recorded fact is a failure naming what it saw."""
+    from support import expected as table
+
+    table.STRICT = request.node.get_closest_marker("stock_pin") is not None
+    yield
+    table.STRICT = False
+
+
+@pytest.fixture(autouse=True)
+def _stock_between_tests(m46, stock_facts):
     """Every test starts and ends with vLLM's classes exactly as vLLM defined them."""
     from vllm_minicpm_hotfix.fixes import REGISTRY, _base
 
@@ -119,7 +139,9 @@ def pytest_configure(config):
     )
     config.addinivalue_line("markers", "ray: starts a Ray cluster (tests/e2e/test_ray.py); `-m 'not ray'` leaves it out")
     config.addinivalue_line(
-        "markers", "stock_pin: pins a fix's stock verdict per release; scripts/canary runs `-m 'not stock_pin'`"
+        "markers",
+        "stock_pin: pins a per-release fact of stock vLLM recorded in tests/data/stock.json (scripts/record-stock); "
+        "fails, naming what it observed, on an environment without a row; `-m 'not stock_pin'` leaves them out (scripts/canary)",
     )
 
 

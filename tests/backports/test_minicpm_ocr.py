@@ -67,11 +67,15 @@ def registered(registry_module, importable, monkeypatch):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.stock_pin
 def test_probe_verdict_is_pinned(registry_module, environment):
     verdict = bp.probe(registry_module)
     assert verdict.state.value == table.backport_verdict(bp.NAME, environment), verdict
     if verdict.state.value == "missing":
         assert bp.ARCH in verdict.reason and "MiniCPMOcrConfig" in verdict.reason
+    elif verdict.state.value == "correct":  # vLLM's own class, and a transformers with its config (0.34.0)
+        assert verdict.reason.startswith("vLLM's own") and "vllm.model_executor.models.minicpm_ocr" in verdict.reason
+        assert verdict.applicable is False, verdict
     else:
         assert "has no MiniCPMOcrConfig" in verdict.reason and verdict.applicable is False, verdict
         # 0.33.0: vLLM's own class, which its transformers cannot give a config

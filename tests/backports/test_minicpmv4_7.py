@@ -99,6 +99,7 @@ def resolved(checkpoint: Path) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.stock_pin
 def test_probe_verdict_is_pinned(registry_module, environment):
     verdict = bp.probe(registry_module)
     assert verdict.state.value == table.backport_verdict(bp.NAME, environment), verdict

@@ -44,10 +44,9 @@ from vllm_minicpm_hotfix.fixes import lora_tower, names
 
 OTHERS = tuple(n for n in names() if n != lora_tower.NAME)
 TOWER = ("vpm.", "vit_merger.", "merger.")
-#: vLLM release -> what stock start-up with enable_tower_connector_lora does: the exception (0.22-0.28, the stub's
-#: None reaching get_punica_wrapper / max()) or None (0.30+: the flag is ignored with a warning).
-STOCK_FLAG = {"0.22.1": TypeError, "0.23.0": TypeError, "0.24.0": TypeError, "0.26.0": TypeError,
-              "0.28.0": TypeError, "0.30.0": None, "0.32.0": None, "0.33.0": None}
+#: What stock start-up with enable_tower_connector_lora does is recorded per environment in tests/data/stock.json
+#: (``lora_tower_flag``): the exception's class name (TypeError on 0.22-0.28, the stub's None reaching
+#: get_punica_wrapper / max()) or None (0.30+: the flag is ignored with a warning).
 
 
 @pytest.fixture(scope="module")
@@ -127,17 +126,20 @@ def test_tower_adapter_ignored_stock_and_refused_with_the_fix(m46, environment, 
     assert lora_tower.probe(m46).state.value == "broken"  # reverted: vLLM's own classes
 
 
-def test_tower_connector_flag_is_a_clear_error_where_vllm_dies(m46, release, tower_adapter):
-    stock = STOCK_FLAG[release]
+@pytest.mark.stock_pin
+def test_tower_connector_flag_is_a_clear_error_where_vllm_dies(m46, environment, tower_adapter):
     stock_model, fixed_model = fresh_model(m46), fresh_model(m46)
     with hotfix(m46, "auto", fixes=OTHERS):
+        try:
+            runner, raised = start(stock_model, tower_connector=True), None
+        except Exception as exc:  # noqa: BLE001 - what stock start-up raises is the observation
+            runner, raised = None, exc
+        seen = None if raised is None else type(raised).__name__
+        stock = table.pin(environment, ("lora_tower_flag",), seen)
+        assert seen == stock, f"stock start-up: {raised!r}; recorded: {stock}"
         if stock is None:
-            runner = start(stock_model, tower_connector=True)
             assert list(runner.lora_manager._adapter_manager.punica_wrapper_mapping) == ["language_model"]
             assert runner.lora_manager.add_adapter(request(tower_adapter)) is True
-        else:
-            with pytest.raises(stock):
-                start(stock_model, tower_connector=True)
     with hotfix(m46, "auto", fixes=None):
         if stock is None:  # vLLM ignores the flag itself; the adapter is refused at load
             runner = start(fixed_model, tower_connector=True)

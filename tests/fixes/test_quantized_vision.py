@@ -5,7 +5,7 @@ class), loaded through its own top-level ``load_weights``. No engine (that is ``
 The checkpoints are written here from the bundled tiny one (:mod:`quant_checkpoints`): the language model's linear
 layers packed GPTQ / AWQ from integer codes chosen by the test, the vision tower, vit_merger and merger bf16 -- the
 published layout (GPTQModel's and AutoAWQ's MiniCPM-V 4.6 quantize the language model only). Every expectation below
-is checked against those checkpoint tensors; the stock failures per release are in :data:`STOCK`.
+is checked against those checkpoint tensors; the stock failures per environment are in tests/data/stock.json.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import expected as table
 from support import quant_checkpoints as qc
 from support.hotfix import hotfix
 from support.observed import observed
@@ -34,22 +35,8 @@ NO_DATA = "'QKVParallelLinear' object has no attribute 'data'"
 NO_KERNEL = "Failed to find a kernel that can implement the WNA16 linear layer"
 FC1_MISSING_A = "'encoder.layers.0.mlp.fc1.weight'"  # KeyError (<= 0.24) / no module or parameter named ... (>= 0.25)
 
-#: release -> layout -> what stock vLLM does: None (loads) or ("build" | "load", text of the error). Measured here.
-STOCK: dict[str, dict[str, tuple[str, str] | None]] = {
-    "0.24.0": {"gptq": None, "gptq_list": ("load", "'encoder.layers.0.self_attn.qkv_proj.weight'"),
-               "gptq_vitqkv": None, "awq": ("load", FC1_MISSING_A), "awq_unaligned": ("build", NO_KERNEL)},
-    "0.26.0": {"gptq": ("load", QKQKV), "gptq_list": ("load", NO_DATA), "gptq_vitqkv": ("load", QKQKV),
-               "awq": ("load", FC1_MISSING_A), "awq_unaligned": ("build", NO_KERNEL)},
-    "0.28.0": {"gptq": ("load", K_PROJ), "gptq_list": ("load", NO_DATA), "gptq_vitqkv": ("load", K_PROJ),
-               "awq": ("load", FC1_MISSING_A), "awq_unaligned": ("build", NO_KERNEL)},
-    "0.30.0": {"gptq": None, "gptq_list": ("load", NO_DATA), "gptq_vitqkv": None,
-               "awq": ("load", FC1_MISSING_A), "awq_unaligned": ("build", NO_KERNEL)},
-    "0.32.0": {"gptq": None, "gptq_list": ("load", NO_DATA), "gptq_vitqkv": None,
-               "awq": ("load", FC1_MISSING_A), "awq_unaligned": ("build", NO_KERNEL)},
-}  # fmt: skip
-STOCK["0.22.1"] = dict(STOCK["0.24.0"], awq_unaligned=("load", FC1_MISSING_A))  # its CPU AWQ method builds 80-wide
-STOCK["0.23.0"] = dict(STOCK["0.24.0"], awq_unaligned=("build", "The input size is not aligned with the quantized"))
-STOCK["0.33.0"] = STOCK["0.32.0"]
+#: What stock vLLM does with each layout, per environment, is recorded in tests/data/stock.json (``quantized``: None --
+#: it loads -- or [stage, text of the error], stage "build" or "load"); :func:`stock_outcome` observes it.
 
 #: GPTQModel-style module list (a recipe some users follow): substrings, so it also matches the vision attention.
 GPTQ_LIST = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -113,11 +100,23 @@ def written(source, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(scope="module")
-def stock(release) -> dict:
-    if release not in STOCK:
-        pytest.fail(f"vLLM {release} is not in tests/fixes/test_quantized_vision.py STOCK: measure it and add its row")
-    return STOCK[release]
+def stock_outcome(ckpt: Path):
+    """What the installed vLLM does with ``ckpt`` as it is now: ``(None, model)`` -- built and loaded -- or
+    ``(["build" | "load", the error's text (``expected.error_text``)], model or None)``."""
+    try:
+        model = build_vllm_model(ckpt, dtype=DTYPE, load=False, model_cls=model_class(ckpt))
+    except Exception as exc:  # noqa: BLE001 - what stock vLLM raises is the observation
+        return ["build", table.error_text(exc)], None
+    try:
+        load_checkpoint(model, ckpt)
+    except Exception as exc:  # noqa: BLE001
+        return ["load", table.error_text(exc)], model
+    return None, model
+
+
+def agrees(seen: list | None, want: list | None) -> bool:
+    """A recorded outcome holds for an observed one: both load, or the same stage with the recorded text in the error."""
+    return (seen is None) == (want is None) and (seen is None or (seen[0] == want[0] and want[1] in seen[1]))
 
 
 @contextlib.contextmanager
@@ -230,24 +229,19 @@ def test_packing_is_independently_checkable(written):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.stock_pin
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stock(m46, written, stock, layout):
-    want = stock[layout]
+def test_stock(m46, written, environment, layout):
+    seen, model = stock_outcome(written[layout])
+    want = table.pin(environment, ("quantized", layout), seen)
+    assert agrees(seen, want), f"stock vLLM: {seen}; recorded: {want}"
     if want is None:
-        model = build_and_load(written[layout])
+        assert json_arch(written[layout]) == type(model).__name__, type(model)
         assert_params_exact(model, qc.read_tensors(written[layout]), VISION)
         observed("checkpoints", layout, stock="loads")
         return
-    stage, text = want
-    model = None
-    with pytest.raises(Exception) as info:
-        model = build_vllm_model(written[layout], dtype=DTYPE, load=False, model_cls=model_class(written[layout]))
-        if stage == "build":
-            pytest.fail("stock vLLM built the model")  # never reached where the table is right
-        load_checkpoint(model, written[layout])
-    assert text in str(info.value), f"{type(info.value).__name__}: {info.value}"
-    assert (model is None) == (stage == "build")
-    observed("checkpoints", layout, stock=f"fails ({'constructing the model' if stage == 'build' else 'loading'})")
+    assert (model is None) == (want[0] == "build")
+    observed("checkpoints", layout, stock=f"fails ({'constructing the model' if want[0] == 'build' else 'loading'})")
 
 
 def test_probe_stock_and_patched(m46, monkeypatch):
@@ -359,11 +353,12 @@ def test_quantized_plain_linear_is_refused(m46, written, tmp_path):
     assert "merger.mlp.0.linear_1" in str(info.value) and "qweight I32" in str(info.value)
 
 
-def test_off_leaves_stock(m46, written, stock):
+@pytest.mark.stock_pin
+def test_off_leaves_stock(m46, written, environment):
     with hotfixed(m46, "off"):
-        with pytest.raises(Exception) as info:
-            build_and_load(written["awq"])
-    assert stock["awq"][1] in str(info.value)
+        seen, _ = stock_outcome(written["awq"])
+    want = table.pin(environment, ("quantized", "awq"), seen)
+    assert want is not None and agrees(seen, want), f"under off: {seen}; recorded stock: {want}"
 
 
 # --------------------------------------------------------------------------------------------------------------------

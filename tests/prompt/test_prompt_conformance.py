@@ -45,7 +45,7 @@ from support.hotfix import hotfix
 from support.placement import vllm_release
 from vllm_minicpm_hotfix.fixes import _base, by_name
 from support.prompt import (  # noqa: F401 - fixtures
-    Pair, vllm_ids, hf_ids, checkpoints, MINE, PROBE_BROKEN, PROBE_BROKEN_EXTRA, STOCK_CASES, STOCK, STOCK_V47, STOCK_EXTRA,
+    Pair, vllm_ids, hf_ids, checkpoints, family_of, MINE, PROBE_BROKEN, PROBE_BROKEN_EXTRA, STOCK_CASES, STOCK, STOCK_V47, STOCK_EXTRA,
     REAL47, REQUEST_KWARGS, MODEL_KWARGS, seeded_sizes, image, video, sizes_for, classify, summary, compare,
     assert_all_equal, family, pairs, _one_torch_thread, _report_times, timed, with_hotfix, stock, cached_prompts,
     make_pair,
@@ -168,15 +168,14 @@ def _stock_outcome(pairs, name: str, ckpt: str, cached: Pair) -> tuple[str, str]
     return compare(pair, "image", items, request_kwargs)
 
 
+@pytest.mark.stock_pin
 @pytest.mark.parametrize("ckpt", ["real", REAL47])
-def test_stock_defects(m46, pairs, checkpoints, family, ckpt):
+def test_stock_defects(m46, pairs, checkpoints, environment, ckpt):
     """Stock vLLM (placeholder fixes off) differs from transformers exactly as :data:`STOCK` (4.6) /
     :data:`STOCK_V47` (4.7's classes against ``MiniCPMV4_7Processor``) says for this family; the same cases with the
     hotfix are equal. The cached-video case runs on a processor cache the hotfix filled first
     (:func:`_warmed_cache`)."""
     release = vllm_release()
-    expected = STOCK_V47 if ckpt == "real47" else {**STOCK[family], **STOCK_EXTRA.get(release, {})}
-    assert set(expected) == set(STOCK_CASES)
     seen, details = {}, {}
     with timed("stock"):
         cached = _warmed_cache(m46, checkpoints, ckpt)
@@ -184,6 +183,12 @@ def test_stock_defects(m46, pairs, checkpoints, family, ckpt):
         for name in STOCK_CASES:
             seen[name], details[name] = _stock_outcome(pairs, name, ckpt, cached)
     print(f"\nstock vLLM {release}: " + json.dumps(seen, indent=1))
+    if ckpt == "real47":
+        expected = STOCK_V47
+    else:  # the family tests/data/stock.json records here (recording: the one seen)
+        expected = {**STOCK[table.pin(environment, ("prompt_family",), family_of(seen, release))],
+                    **STOCK_EXTRA.get(release, {})}
+    assert set(expected) == set(STOCK_CASES)
     wrong = {k: (seen[k], expected[k]) for k in STOCK_CASES if seen[k] != expected[k]}
     assert not wrong, "stock outcome (seen, pinned) differs: " + "; ".join(
         f"{k}: {v}{details[k]}" for k, v in wrong.items()
@@ -199,6 +204,7 @@ def test_stock_defects(m46, pairs, checkpoints, family, ckpt):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.stock_pin
 def test_verdicts(m46, family, environment):
     """Each fix's probe on stock vLLM, as tests/support/expected.py pins it; the mm_placeholders cases find this family's
     sub-defects and the others equal, and its probe names the first of them it runs."""

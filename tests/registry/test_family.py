@@ -180,6 +180,7 @@ def test_undeclared_subclass_behaves_as_stock(m46):
     assert "broken" in stock.values()  # this environment shows at least one fix whose stock verdict a wrapper flips
 
 
+@pytest.mark.stock_pin
 def test_member_verdicts_are_pinned(m46, environment, monkeypatch):
     """Under ``auto`` the hook probes every family member present here on its own classes: ``status()`` records per
     member the stock verdict tests/support/expected.py pins (4.7 only where vLLM and transformers have it), applies each fix

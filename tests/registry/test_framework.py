@@ -189,6 +189,33 @@ def test_a_behaviour_runs_only_for_the_declared_classes(monkeypatch):
     assert base().f(1) == ("vllm", 1, 0)
 
 
+def test_a_revert_for_one_model_module_undoes_what_the_fix_set_in_another_module_too(monkeypatch):
+    """``revert_fix(NAME, module)`` restores every value the fix set for ``module``, wherever it set it: a target in
+    the model module's classes and one in another module (``"pkg.module:Class.attr"``, as processor_downsample_mode
+    wraps vLLM 0.34's own ``MiniCPMOcrProcessingInfo``). Afterwards ``is_patched(fix, module)`` is False -- the
+    question every test's teardown asks -- and nothing of the fix is left in either class."""
+    import sys
+
+    module, base, _, _ = _classes()
+    other = types.ModuleType("policy_elsewhere")
+    other.Elsewhere = type("Elsewhere", (), {"__module__": other.__name__, "g": lambda self: "vllm"})
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    outer = _base.wrap(lambda w, i, a, k: ("fix", w(*a, **k)))
+    fix = _base.complete(_fix((_base.V46,), {"StandIn46.f": outer,
+                                             "policy_elsewhere:Elsewhere.g": _base.on_import(outer)}))
+    own_f, own_g = base.__dict__["f"], other.Elsewhere.__dict__["g"]
+    fix.apply(module)
+    try:
+        assert other.Elsewhere.__dict__["g"] is not own_g and base.__dict__["f"] is not own_f
+        assert _base.is_patched(fix, module)
+        assert _base.revert_fix(fix.NAME, module) is True
+        assert other.Elsewhere.__dict__["g"] is own_g and base.__dict__["f"] is own_f
+        assert not _base.is_patched(fix, module) and not _base.has_set(fix.NAME)
+        assert _base.revert_fix(fix.NAME, module) is False
+    finally:
+        _base.revert_fix(fix.NAME)
+
+
 def test_a_factory_must_hand_the_framework_a_patch():
     module, base, _, _ = _classes()
     fix = _base.complete(_fix((_base.V46,), {"StandIn46.f": lambda old, owner: (lambda self, x, y=0: "own")}))
@@ -319,6 +346,41 @@ def test_a_left_out_fix_is_recorded_and_what_comes_after_it_runs_alone(monkeypat
         assert record.parse_summary(line, ["policy_first", "policy_second"])[0]["left_out"] == ["policy_first"]
     finally:
         _base.revert_fix("policy_second")
+
+
+@pytest.mark.parametrize("listed", ["policy_qkv_old", "policy_qk", "policy_qkv_", " POLICY_QKV_OLD ,policy_q"])
+def test_a_left_out_name_matches_one_fix_exactly(monkeypatch, listed):
+    """``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` leaves out the fix it names exactly (spaces and case aside), never one
+    whose name the listed one extends or begins: with fixes ``policy_qkv`` and ``policy_qkv_old`` (as ``qkv_loader``
+    and a ``qkv_loader_old`` would be), listing ``policy_qkv_old`` leaves out that one only, and a prefix or an
+    extension of ``policy_qkv`` leaves out nothing and is reported as a name no fix has."""
+    from vllm_minicpm_hotfix import decision, hook, record
+
+    module, base, _, _ = _classes()
+
+    def make(name):
+        fix = _fix((_base.V46,), {"StandIn46.f": _base.wrap(lambda w, i, a, k: (name, w(*a, **k)))})
+        fix.NAME, fix.__name__ = name, f"vllm_minicpm_hotfix.fixes.{name}"
+        fix.probe = lambda m: decision.Verdict(decision.State.BROKEN, "stand-in")
+        return _base.complete(fix)
+
+    short, long = make("policy_qkv"), make("policy_qkv_old")
+    names = [short.NAME, long.NAME]
+    monkeypatch.setenv(decision.DISABLED_VAR, listed)
+    monkeypatch.setattr(record, "_STATUS", None)
+    warned = []
+    monkeypatch.setattr(hook.logger, "warning", lambda *a: warned.append(a[1] if len(a) > 1 else a[0]))
+    exact = {n.strip().lower() for n in listed.split(",")} & set(names)
+    try:
+        hook._check_disabled(names)
+        ran = {fix.NAME: _base.run(fix, module) for fix in (short, long)}
+        assert {n for n, entry in ran.items() if entry.left_out} == exact, (listed, ran)
+        assert {n for n, entry in ran.items() if entry.applied} == set(names) - exact, (listed, ran)
+        unknown = {n.strip().lower() for n in listed.split(",")} - exact
+        assert len(warned) == bool(unknown) and all(n in warned[0] for n in unknown), warned
+    finally:
+        for name in names:
+            _base.revert_fix(name)
 
 
 def test_a_refusal_is_counted_once_for_the_fix_that_refused(monkeypatch):

@@ -128,6 +128,7 @@ def test_one_name_per_fix():
         assert (tests / "fixes" / f"test_{fix.NAME}.py").is_file(), fix.NAME
 
 
+@pytest.mark.stock_pin
 @pytest.mark.parametrize("name", names())
 def test_stock_verdict_is_pinned(m46, environment, name):
     """The probe on stock vLLM gives the verdict tests/support/expected.py pins here (a fix or an environment missing from the

@@ -27,11 +27,10 @@ PREREQUISITES = ("processor_downsample_mode", "hf_processor_version")
 SEED = 20261130
 PROMPT = "<|im_start|>user\n{mm}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 
-#: release -> family (serving-defects.md): A 0.22-0.23, B 0.24, C 0.25-0.31, D 0.32-0.33.
-FAMILY = {
-    "0.22.1": "A", "0.23.0": "A", "0.24.0": "B", "0.26.0": "C", "0.28.0": "C", "0.30.0": "C", "0.32.0": "D",
-    "0.33.0": "D",
-}
+#: The families of stock prompt behaviour (serving-defects.md): A 0.22-0.23, B 0.24, C 0.25-0.31, D 0.32-0.33. Which
+#: one a release is in is recorded per environment in tests/data/stock.json (``prompt_family``), observed by
+#: tests/prompt/test_prompt_conformance.py's ``test_stock_defects`` (:func:`family_of`).
+FAMILIES = ("A", "B", "C", "D")
 
 #: Sub-defects the mm_placeholders probe names as broken, per family (the rest it finds equal).
 PROBE_BROKEN = {
@@ -367,11 +366,26 @@ def assert_all_equal(pair: Pair, cases: list[tuple[str, str, list, dict]]) -> No
 
 
 @pytest.fixture(scope="module")
-def family() -> str:
-    release = vllm_release()
-    if release not in FAMILY:
-        pytest.fail(f"vLLM {release} is not in tests/support/prompt.py FAMILY: measure it and add it")
-    return FAMILY[release]
+def family() -> str | None:
+    """This environment's prompt family as tests/data/stock.json records it; None where it has no row (the test that
+    pins it, ``test_stock_defects``, then fails naming the family it observed)."""
+    from support import expected as table
+
+    if table.recording():  # the family test_stock_defects has just observed and recorded
+        return table.recorded_now(("prompt_family",))
+    return (table.row(table.installed_environment()) or {}).get("prompt_family")
+
+
+def family_of(seen: dict[str, str], release: str) -> str:
+    """The family whose :data:`STOCK` row (with ``release``'s :data:`STOCK_EXTRA`) is exactly ``seen`` (stock vLLM's
+    outcome per case of :data:`STOCK_CASES`); else a text naming the nearest row and how ``seen`` differs from it."""
+    rows = {f: {**STOCK[f], **STOCK_EXTRA.get(release, {})} for f in FAMILIES}
+    for name, want in rows.items():
+        if want == seen:
+            return name
+    near = min(rows, key=lambda f: sum(rows[f][k] != seen.get(k) for k in rows[f]))
+    return f"none of {'/'.join(FAMILIES)} (nearest {near}, differing in " + ", ".join(
+        f"{k}: {seen.get(k)} not {v}" for k, v in rows[near].items() if seen.get(k) != v) + ")"
 
 
 def real_geometry_copy(dest: Path) -> Path:

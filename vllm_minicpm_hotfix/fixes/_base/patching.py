@@ -274,13 +274,25 @@ def _owner_module(owner: Any) -> str:
 ON_REVERT: list[Callable[[str], bool]] = []
 
 
-def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
-    """Restore what ``fix`` set (in ``module``'s own classes only, if given); mark its status entry ``reverted``.
-    Where a later fix wrapped this fix's value, the later fix is handed this fix's original, so that reverting the
-    later one restores vLLM's own value. A fix still waiting for its first use (:mod:`.deferred`) stops waiting.
-    Returns whether anything was set or waited."""
+def _set_for(fix: str, module: ModuleType) -> set[tuple[Any, str]]:
+    """The ``(owner, attribute)`` pairs ``fix`` set for the model module ``module``: in ``module``'s own classes, and
+    at every target of its ``SETS`` as resolved from ``module`` -- a ``"pkg.module:Class.attr"`` in another module
+    too (what :func:`is_patched` looks at)."""
     saved = _ORIGINALS.get(fix, {})
-    keys = [k for k in saved if module is None or _owner_module(k[0]) == module.__name__]
+    applied = _APPLIED.get(fix)
+    targets = [resolve(module, t, imported_only=True) for t in getattr(applied, "SETS", ())]
+    return {k for k in saved if _owner_module(k[0]) == module.__name__} | {t for t in targets if t in saved}
+
+
+def revert_fix(fix: str, module: ModuleType | None = None) -> bool:
+    """Restore what ``fix`` set -- with ``module``, what it set for that model module, wherever it set it (its
+    classes, and a target of the fix in another module, :func:`_set_for`): afterwards ``is_patched(fix, module)`` is
+    False. Mark its status entry ``reverted``. Where a later fix wrapped this fix's value, the later fix is handed
+    this fix's original, so that reverting the later one restores vLLM's own value. A fix still waiting for its
+    first use (:mod:`.deferred`) stops waiting. Returns whether anything was set or waited."""
+    saved = _ORIGINALS.get(fix, {})
+    here = None if module is None else _set_for(fix, module)
+    keys = [k for k in saved if here is None or k in here]
     undo = []
     for owner, attr in keys:
         old = saved.pop((owner, attr))
