@@ -141,7 +141,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "stock_pin: pins a per-release fact of stock vLLM recorded in tests/data/stock.json (scripts/record-stock); "
-        "fails, naming what it observed, on an environment without a row; `-m 'not stock_pin'` leaves them out (scripts/canary)",
+        "fails, naming what it observed, on an environment without a row; `-m 'not stock_pin'` leaves them out "
+        "(scripts/canary)",
     )
 
 

@@ -18,8 +18,9 @@ ocr --scale-resolution 448``) and that checkpoint's tensors.
 * **The load**: vLLM's own OCR model class, built on CPU and loaded with its own ``load_weights`` (with the q/k/v
   fixes where the hook applies them): the window merger's ``qkv_proj`` equals cat(q, k, v) of the checkpoint.
 
-Placed only on ``0.33.0:tf5.24.0``: no other environment has vLLM's OCR class and a transformers that reads its
-config (0.33.0's own pinned 5.20.2 has no ``minicpm_ocr``; the backport covers 0.22-0.30, tests/backports).
+Placed where vLLM has its OCR class and transformers reads its config: ``0.33.0:tf5.24.0`` (0.33.0's own pinned
+5.20.2 has no ``minicpm_ocr``), 0.34.0 (its own 5.22.2) and any newer release with both; the backport covers
+0.22-0.30 (tests/backports).
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ import pytest
 
 from support.backport47 import write_checkpoint
 from support.hotfix import hotfix
+from support.placement import own_member_envs
 from support.prompt import assert_all_equal, hf_ids, image, make_pair, vllm_ids, with_hotfix
 
-pytestmark = pytest.mark.placed("0.33.0:tf5.24.0")
+#: The narrow environment, and any other whose vLLM and transformers both ship MiniCPM-OCR (0.34.0 with its own
+#: transformers 5.22.2; the canary's newest release): :func:`support.placement.own_member_envs`.
+pytestmark = pytest.mark.placed(*own_member_envs("minicpm_ocr", "minicpm_ocr", "0.33.0:tf5.24.0"))
 
 OCR_MODULE = "vllm.model_executor.models.minicpm_ocr"
 MISSING_MODE = "find_best_resize() missing 1 required positional argument: 'downsample_mode'"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 #: The environment variable scripts/test sets to the environment's spec ("0.28.0", "0.28.0:tf5.20.0",
 #: "0.28.0:unpinned"); run by hand, the spec is the installed vLLM release.
@@ -29,3 +31,23 @@ def vllm_release() -> str:
 
 def environment_spec() -> str:
     return os.environ.get(ENV_SPEC_VAR) or vllm_release()
+
+
+def _package_file(package: str, relative: str) -> bool:
+    """Whether the installed ``package`` ships ``relative`` (a path inside it), found without importing it."""
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None and (Path(spec.origin).parent / relative).exists()
+
+
+def own_member_envs(vllm_module: str, transformers_model: str, *specs: str) -> tuple[str, ...]:
+    """Where the tests of a family member on vLLM's *own* classes run: ``specs`` (the environments measured for it),
+    plus this environment wherever the installed vLLM ships the member's model module
+    (``vllm/model_executor/models/<vllm_module>.py``) and the installed transformers the member's model
+    (``transformers/models/<transformers_model>/``), unless it is narrow. So a release no list names (the newest on
+    the index, the canary's) runs the member's comparisons with transformers unchanged."""
+    spec = environment_spec()
+    if (spec not in specs and spec not in NARROW_ENVS
+            and _package_file("vllm", f"model_executor/models/{vllm_module}.py")
+            and _package_file("transformers", f"models/{transformers_model}/__init__.py")):
+        return (*specs, spec)
+    return specs

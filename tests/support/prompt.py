@@ -16,7 +16,7 @@ import pytest
 from support.hotfix import hotfix
 from support import tiny_checkpoints
 from support.paths import TINY
-from support.placement import vllm_release
+from support.placement import own_member_envs, vllm_release
 
 
 #: The prompt fixes this module tests.
@@ -92,8 +92,9 @@ STOCK_V47: dict[str, str] = dict(STOCK["D"])
 #: Releases whose stock differs from their family's row.
 STOCK_EXTRA = {"0.22.1": {"video 2x56x56": "pads"}}
 
-#: MiniCPM-V 4.7 (vLLM 0.32+ with transformers >= 5.19): the environments that have it in both.
-V47_ENVS = ("0.32.0", "0.33.0")
+#: MiniCPM-V 4.7 (vLLM 0.32+ with transformers >= 5.19): the environments that have it in both (0.32.0, 0.33.0, and
+#: any other whose vLLM and transformers ship it: :func:`support.placement.own_member_envs`).
+V47_ENVS = own_member_envs("minicpmv4_7", "minicpmv4_7", "0.32.0", "0.33.0")
 #: The 4.7 checkpoint as a parameter of the tests it joins, placed where vLLM and transformers have 4.7.
 REAL47 = pytest.param("real47", marks=pytest.mark.placed(*V47_ENVS))
 
