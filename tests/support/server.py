@@ -259,3 +259,47 @@ def scrape(server: Server, name: str, timeout: float = 30) -> dict[tuple[tuple[s
             if sample.name == name:
                 out[tuple(sorted(sample.labels.items()))] = sample.value
     return out
+
+
+class OneConnection:
+    """POSTs of JSON bodies over ONE keep-alive connection, as a pooled HTTP client reuses it: ``httpx`` with a pool of
+    one connection and no retries (``httpx`` retries nothing by default; its transport is built with ``retries=0``).
+    Every TCP connection the client opens is counted (``httpx``'s ``trace`` extension: ``connection.connect_tcp``
+    events), so a server that closes the connection after an answer shows as a second connection -- or, where the
+    client sends on the closed one before it notices, as an ``httpx.TransportError`` (``ReadError``,
+    ``RemoteProtocolError``) on the next request, which is recorded, not retried."""
+
+    def __init__(self, server: Server, timeout: float = 180) -> None:
+        self.server = server
+        self.connections = 0
+        #: ``(path, status or the transport error's type name, the reply's JSON or the error text)`` per request.
+        self.results: list[tuple[str, int | str, dict | str]] = []
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+        self._client = httpx.Client(base_url=server.url, timeout=timeout, headers=headers,
+                                    transport=httpx.HTTPTransport(retries=0),
+                                    limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+
+    def _trace(self, event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.complete":
+            self.connections += 1
+
+    def post(self, path: str, body: dict) -> int | str:
+        """POST ``body``; the HTTP status, or the type name of the transport error that ended the request."""
+        try:
+            reply = self._client.post(path, json=body, extensions={"trace": self._trace})
+        except httpx.TransportError as exc:
+            self.results.append((path, type(exc).__name__, str(exc)))
+            return type(exc).__name__
+        try:
+            payload = reply.json()
+        except ValueError:
+            payload = reply.text
+        self.results.append((path, reply.status_code, payload))
+        return reply.status_code
+
+    def errors(self) -> list[tuple[str, int | str, dict | str]]:
+        """The requests that got no HTTP answer (a transport error)."""
+        return [r for r in self.results if isinstance(r[1], str)]
+
+    def close(self) -> None:
+        self._client.close()

@@ -44,6 +44,18 @@ members in :data:`MODELS` it checks, in this order, and raises :class:`RequestKw
 
 Nothing is decoded, resized, hashed or cached for a refused request, so vLLM's processor cache is left as it was.
 
+The refusal reaches the client through the release's own error response, the connection kept: :func:`route_refusals`
+wraps vLLM's ``build_app`` (:data:`APP_TARGET`, in the API server). vLLM's app turns an exception into its
+``ErrorResponse`` in its exception handlers; Starlette runs the one registered for ``Exception`` (vLLM's catch-all)
+in its outermost ``ServerErrorMiddleware``, which sends that response and then *re-raises*: uvicorn logs ``Exception
+in ASGI application`` with a traceback and closes the connection, and a client's next request over it fails
+(``ReadError`` / ``RemoteProtocolError``). vLLM 0.22.1's app has no handler for any class a refusal is but
+``Exception``, 0.23-0.24's one for ``VLLMValidationError`` only; 0.26+ register ``ValueError``. Where the app, as vLLM
+built it, would leave a :class:`~._base.Refusal` to the catch-all alone, the same handler function (vLLM's own) is
+registered for ``Refusal``: Starlette then runs it in ``ExceptionMiddleware``, which answers and carries on -- the same
+400 body, no traceback, the connection kept. Where the app has its own handler for it, nothing is added. It covers
+every fix's refusal (``placeholder_guard``'s too) wherever this fix is applied.
+
 MiniCPM-OCR (its processors, the backport's and vLLM 0.33's, inherit 4.6's ``apply``): transformers'
 ``MiniCPMOcrImageProcessorKwargs`` declares the same sizing keys and ``downsample_mode`` values as 4.6's, plus
 ``small_image_upsize`` (:data:`OPTIONAL_SIZING`: judged only where the installed image processor declares it, one of
@@ -551,15 +563,54 @@ def init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
     check_model_level(instance, model_of(instance) or "MiniCPM-V")
 
 
+#: vLLM's function that builds the API server's FastAPI app (0.22-0.31; 0.32+ import it there from
+#: ``vllm.entrypoints.launchers.app`` and route ``ValueError`` themselves).
+APP_TARGET = "vllm.entrypoints.openai.api_server:build_app"
+
+
+def routed(app: Any) -> bool:
+    """Route :class:`~._base.Refusal` in vLLM's ``app`` (a FastAPI app) to the handler it has for ``Exception``, if
+    nothing but that catch-all would answer a refusal there (see the module docstring); True if a handler was added.
+    Decided from the app's own handlers, as Starlette dispatches them: a handler keyed ``Exception`` (or 500) runs
+    in ``ServerErrorMiddleware``, any other in ``ExceptionMiddleware``, looked up along the exception's MRO. Never
+    raises; leaves an app it does not recognise as it is."""
+    try:
+        handlers = getattr(app, "exception_handlers", None)
+        if not isinstance(handlers, dict) or not callable(getattr(app, "add_exception_handler", None)):
+            return False
+        catch_all = handlers.get(Exception, handlers.get(500))
+        if catch_all is None or any(cls in handlers for cls in Refusal.__mro__ if cls is not Exception):
+            return False  # the release answers it itself (0.26+: ValueError), or has no error response for it
+        app.add_exception_handler(Refusal, catch_all)
+        if getattr(app, "middleware_stack", None) is not None:
+            # Built already (0.22-0.24's build_app ends with the SageMaker bootstrap, which rebuilds it): Starlette
+            # copies the handlers into its middleware when it builds it, so build it again, as that bootstrap does.
+            app.middleware_stack = app.build_middleware_stack()
+        return True
+    except Exception:  # noqa: BLE001 - routing must never stop the server from starting
+        return False
+
+
+def route_refusals(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around vLLM's ``build_app(args, ...)`` -> FastAPI app: vLLM's app, with :func:`routed` applied."""
+    app = wrapped(*args, **kwargs)
+    routed(app)
+    return app
+
+
 #: The processor's ``apply`` and ``__init__``, and the recorder on vLLM's ``compute_mm_encoder_budget`` (every
 #: model's; it only records): set with the others if vLLM has imported :data:`BUDGET_MODULE` (the model module does
 #: not need it), else when vLLM imports it, not by importing it now -- vLLM reads the function as a module global at
-#: call time, and builds its first ``MultiModalBudget`` only after that import.
+#: call time, and builds its first ``MultiModalBudget`` only after that import. And :func:`route_refusals` on vLLM's
+#: ``build_app`` (every app's), set the same way: the API server applies this fix (its processor-path probe runs when
+#: vLLM builds its processing info, while it creates the engine client) before it builds its app.
 PATCHES = {
     f"{PROCESSOR_CLASS}.apply": wrap(checked_apply, bind=True),
     f"{PROCESSOR_CLASS}.__init__": wrap(init),
     BUDGET_TARGET: on_import(lambda old, _: wrap(compute_budget, model=EVERY_CALL) if callable(old) else None,
                              without="the item limit is max_model_len alone"),
+    APP_TARGET: on_import(lambda old, _: wrap(route_refusals, model=EVERY_CALL) if callable(old) else None,
+                          without="a refusal is answered as vLLM's app answers a ValueError"),
 }
 
 
