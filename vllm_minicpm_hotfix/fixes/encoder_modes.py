@@ -41,12 +41,18 @@ that returns, per slice, as many rows as the mode it is asked for gives):
 
 1. vLLM's ``embed_multimodal`` on a batch of two one-slice images, one 16x and one 4x: does each get its own count
    (1 and 4 rows)?
-2. vLLM's ``process_mm_inputs`` (with transformers' real ``MiniCPMV4_6ImageProcessor``) on a one-frame 28x28 video
-   with ``{"downsample_mode": "4x"}``, filtered through vLLM's ``_get_mm_fields_config`` as vLLM's processor does, then
-   vLLM's ``embed_multimodal``: does the video get the 4x count of its ``video_tgt_sizes``?
+2. vLLM's ``process_mm_inputs`` (with the member's own transformers image processor, :data:`IMAGE_PROCESSORS`:
+   ``MiniCPMV4_6ImageProcessor`` for 4.6 and 4.7, ``MiniCPMOcrImageProcessor`` for MiniCPM-OCR) on a one-frame 28x28
+   video with ``{"downsample_mode": "4x"}``, filtered through vLLM's ``_get_mm_fields_config`` as vLLM's processor
+   does, then vLLM's ``embed_multimodal``: does the video get the 4x count of its ``video_tgt_sizes``? vLLM 0.33-0.34's
+   own OCR ``process_videos`` hands the image processor options no released transformers takes (every OCR video
+   fails before the encoder, whatever this fix does: ``ocr_video_kwargs``' defect, whose fix puts 4.6's
+   ``process_videos`` in its place); there the video is run through the 4.6 ``process_videos`` the member inherits,
+   and the reason says so.
 
-``broken`` if either answer is no (0.22-0.31: both), ``correct`` if both are yes (0.32-0.33), ``undetermined`` if a
-stand-in cannot be run, ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever they are
+``broken`` if either answer is no (0.22-0.31: both), ``correct`` if both are yes (0.32-0.34, MiniCPM-OCR included),
+``undetermined`` if a stand-in cannot be run (MiniCPM-OCR where transformers has no OCR image processor, e.g. 0.33.0
+with 5.20.2: vLLM cannot serve it there), ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever they are
 (on a vLLM that already groups, the wrapper's groups are what vLLM would form itself).
 
 """
