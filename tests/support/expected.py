@@ -151,10 +151,11 @@ OCR_FIXES: set[str] = {"video_budget", "video_tower", "request_kwargs", "process
 #: _compute_visual_tokens hands transformers the mode itself (0.22-0.30 with 5.24; measured on 0.22.1 and 0.28.0), and
 #: elsewhere transformers (< 5.23) takes none (0.33.0 measured; the others by 4.6's "correct" there).
 OCR_OWN: dict[str, str] = {"processor_downsample_mode": "correct"}
-#: vLLM 0.33's own OCR classes: encoder_modes' 4x-video probe cannot run there -- OCR's own ``process_videos`` hands
-#: the image processor upsize options (``disable_small_image_upsize``, ...) that no released transformers' image
-#: processor takes (TypeError; measured on 0.33.0, and on 0.33.0:tf5.24.0 with transformers' own OCR processor).
-OCR_OWN_033: dict[str, str] = {"encoder_modes": "undetermined", "ocr_video_kwargs": "broken"}
+#: vLLM 0.33's own OCR classes: OCR's own ``process_videos`` hands the image processor upsize options
+#: (``disable_small_image_upsize``, ...) that no released transformers' image processor takes (TypeError; measured on
+#: 0.33.0, and on 0.33.0:tf5.24.0 with transformers' own OCR processor). encoder_modes judges OCR's video on the 4.6
+#: ``process_videos`` it inherits there: 4.6's verdict.
+OCR_OWN_033: dict[str, str] = {"ocr_video_kwargs": "broken"}
 
 MEMBER_VERDICTS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
     "MiniCPM-V 4.7": {

@@ -51,8 +51,9 @@ that returns, per slice, as many rows as the mode it is asked for gives):
    and the reason says so.
 
 ``broken`` if either answer is no (0.22-0.31: both), ``correct`` if both are yes (0.32-0.34, MiniCPM-OCR included),
-``undetermined`` if a stand-in cannot be run (MiniCPM-OCR where transformers has no OCR image processor, e.g. 0.33.0
-with 5.20.2: vLLM cannot serve it there), ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever they are
+``undetermined`` if a stand-in cannot be run, ``unrecognised`` if the classes or methods are not there. Where
+transformers has no image processor of the member (MiniCPM-OCR before transformers has ``minicpm_ocr``, e.g. 0.32.0,
+0.33.0 with 5.20.2: vLLM cannot serve it there) 4.6's stands in, and the reason says so. ``force`` applies wherever they are
 (on a vLLM that already groups, the wrapper's groups are what vLLM would form itself).
 
 """
@@ -321,24 +322,27 @@ IMAGE_PROCESSORS = {
 }
 
 
-class NoImageProcessor(Exception):
-    """The installed transformers has no image processor for the member: vLLM cannot serve it here."""
-
-
-def member_image_processor(module: ModuleType) -> type:
-    """transformers' image processor class of the member ``module`` stands for (a :func:`~._base.member_view` or
-    vLLM's 4.6 module: :data:`IMAGE_PROCESSORS`). Raises :class:`NoImageProcessor` where transformers has none."""
+def member_image_processor(module: ModuleType) -> tuple[type, str]:
+    """(transformers' image processor class of the member ``module`` stands for -- a :func:`~._base.member_view` or
+    vLLM's 4.6 module: :data:`IMAGE_PROCESSORS` --, a note: "" or why another class stands in). Where the installed
+    transformers has no such class (MiniCPM-OCR before transformers has ``minicpm_ocr``: vLLM cannot serve the member
+    there), 4.6's, which the member's image processor is a variant of, and the note says so. Raises ImportError where
+    transformers has neither."""
     import importlib
 
     member = FAMILY.get(module.__name__, V46)
     mod_name, cls_name = IMAGE_PROCESSORS.get(member, IMAGE_PROCESSORS[V46])
     try:
-        return getattr(importlib.import_module(mod_name), cls_name)
+        return getattr(importlib.import_module(mod_name), cls_name), ""
     except (ImportError, AttributeError) as exc:
+        base_mod, base_name = IMAGE_PROCESSORS[V46]
+        if (mod_name, cls_name) == (base_mod, base_name):
+            raise
         import transformers
 
-        raise NoImageProcessor(f"transformers {transformers.__version__} has no {cls_name} ({type(exc).__name__}: "
-                               f"{exc}): vLLM cannot serve {member} here") from exc
+        note = (f"transformers {transformers.__version__} has no {cls_name} ({type(exc).__name__}: {exc}; vLLM cannot "
+                f"serve this member here), so its frames are judged with {base_name}")
+        return getattr(importlib.import_module(base_mod), base_name), note
 
 
 def _rejects_kwargs(exc: BaseException) -> bool:
@@ -360,7 +364,8 @@ def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int, str]:
 
     proc_cls = getattr(module, PROCESSOR_CLASS)
     info_cls = getattr(module, INFO_CLASS)
-    image_processor = _probe_image_processor(member_image_processor(module), scale_resolution=56)  # 28x28 -> 56x56
+    ip_cls, ip_note = member_image_processor(module)
+    image_processor = _probe_image_processor(ip_cls, scale_resolution=56)  # 28x28 -> 56x56
     info = object.__new__(info_cls)
     video = [np.zeros((28, 28, 3), dtype=np.uint8)]
     request = {"downsample_mode": "4x"}
@@ -377,7 +382,7 @@ def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int, str]:
     proc.info = info
     params = inspect.signature(proc_cls.process_mm_inputs).parameters
     args = [{"videos": [video]}, request] + ([{}] if "tok_kwargs" in params else [])
-    note = ""
+    notes = [ip_note] if ip_note else []
     try:
         out = proc_cls.process_mm_inputs(proc, *args)
     except TypeError as exc:
@@ -386,8 +391,8 @@ def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int, str]:
                 or getattr(proc_cls, "process_videos", None) is getattr(base, "process_videos", None)):
             raise
         proc.process_videos = types.MethodType(base.process_videos, proc)
-        note = (f"its own process_videos refuses the frame: {type(exc).__name__}: {exc} (ocr_video_kwargs' defect), "
-                "so the video is judged on the process_videos of vLLM's 4.6 class, which it inherits")
+        notes.append(f"its own process_videos refuses the frame: {type(exc).__name__}: {exc} (ocr_video_kwargs' "
+                     "defect), so the video is judged on the process_videos of vLLM's 4.6 class, which it inherits")
         out = proc_cls.process_mm_inputs(proc, *args)
     fields = proc_cls._get_mm_fields_config(proc, out, request)
     batch = {k: torch.stack([v[0]]) for k, v in out.items() if k in fields and k.startswith(VIDEO_PREFIX)}
@@ -395,7 +400,7 @@ def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int, str]:
     emb = getattr(module, MODEL_CLASS).embed_multimodal(model, **batch)
     got = sum(int(e.shape[0]) for e in emb)
     want = sum(rows_for(out["video_tgt_sizes"][0], False))
-    return got, want, note
+    return got, want, "; ".join(notes)
 
 
 def probe(module: ModuleType) -> Verdict:
