@@ -1,12 +1,23 @@
 """``encoder_modes`` against the real vLLM of this environment, without an engine: a 16x and a 4x image in one encoder
 batch, and a 4x video, batched as vLLM's model runner batches them (``group_and_batch_mm_kwargs``), against each item
-encoded on its own (:mod:`support.engine`)."""
+encoded on its own (:mod:`support.engine`).
+
+The probe per family member: decided (``broken`` or ``correct``) on the member's own classes with the member's own
+transformers image processor (4.6's where transformers lacks the member), 4.7's and MiniCPM-OCR's verdict equal to 4.6's
+(their classes inherit every method the fix wraps), ``correct`` on every member once forced. Run everywhere the suite
+runs (each environment has 4.7 and OCR classes: vLLM's own or the backport's) and on ``0.33.0:tf5.24.0``, the one
+environment with vLLM's own OCR classes and a transformers that has OCR's image processor.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
-from vllm_minicpm_hotfix.fixes import encoder_modes, placeholder_guard
+from support.hotfix import hotfix
+from vllm_minicpm_hotfix.decision import State
+from vllm_minicpm_hotfix.fixes import _base, encoder_modes, placeholder_guard
 from support.engine import (  # noqa: F401 - fixtures
     vision_reference, image, video, fixes, process, pads_in_prompt, embed, items_of, merge, mconfig, vproc, vmodel,
     stock_verdict,
@@ -103,3 +114,64 @@ def test_four_x_video(m46, vproc, vmodel, environment):
     print(f"\nvideo rows: stock {stock.shape[0]}, fixed {got.shape[0]}, 4x reference {ref.shape[0]}")
     assert torch.equal(got, ref)
     assert (stock.shape[0] * 4 == ref.shape[0]) is (stock_verdict("encoder_modes", environment) == "broken")
+
+
+#: transformers' ``model_type`` of each family member: its package under ``transformers.models`` and its key in
+#: transformers' own ``IMAGE_PROCESSOR_MAPPING_NAMES`` (the reference for the image processor the probe runs).
+MODEL_TYPES = {"MiniCPM-V 4.6": "minicpmv4_6", "MiniCPM-V 4.7": "minicpmv4_7", "MiniCPM-OCR": "minicpm_ocr"}
+#: The one environment that runs only the tests naming it (support.placement.NARROW_ENVS): vLLM's own OCR classes
+#: with a transformers that has MiniCPM-OCR.
+OCR_NARROW = "0.33.0:tf5.24.0"
+
+
+def _transformers_has(member: str) -> bool:
+    return importlib.util.find_spec(f"transformers.models.{MODEL_TYPES[member]}") is not None
+
+
+def _member_verdicts_are_decided(m46) -> None:
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    views = _base.member_modules(m46)
+    assert set(views) == set(MODEL_TYPES), views  # every member has classes here: vLLM's own or the backport's
+    stock = {member: encoder_modes.probe(view) for member, view in views.items()}
+    print("\n" + "\n".join(f"{m} ({views[m].__name__}): {v.state.value}: {v.reason}" for m, v in stock.items()))
+    for member, view in views.items():
+        verdict = stock[member]
+        assert verdict.state in (State.BROKEN, State.CORRECT), (member, verdict)
+        assert verdict.state is stock["MiniCPM-V 4.6"].state, (member, verdict, stock["MiniCPM-V 4.6"])
+        # The image processor the probe feeds the member's frames to is transformers' own for that model type; where
+        # transformers lacks the model (vLLM cannot serve the member here), 4.6's, and the probe says so.
+        ip_cls, note = encoder_modes.member_image_processor(view)
+        names = IMAGE_PROCESSOR_MAPPING_NAMES.get(MODEL_TYPES[member]) if _transformers_has(member) else None
+        if names is not None:
+            assert (ip_cls.__name__, note) == (names["torchvision"], ""), member
+        else:
+            assert ip_cls.__name__ == IMAGE_PROCESSOR_MAPPING_NAMES["minicpmv4_6"]["torchvision"], member
+            assert "has no" in note, (member, note)
+            assert verdict.state is State.BROKEN or note in verdict.reason, (member, verdict)  # 4x video run: said
+        # OCR's frames reach 4.6's image processor only where transformers has no OCR's (the cause of OCR's
+        # "undetermined" on vLLM 0.33-0.34: its own process_videos' options refused by 4.6's kwargs check).
+        if member == "MiniCPM-OCR" and names is not None:
+            assert "MiniCPMV4_6ImageProcessorKwargs" not in verdict.reason, verdict
+    with hotfix(m46, "force", fixes=("encoder_modes",)) as st:
+        assert st.applied and all(row["applied"] for m, row in st.models.items() if m in views), st.models
+        views = _base.member_modules(m46)
+        for member, view in views.items():
+            now = encoder_modes.probe(view)
+            assert now.state is State.CORRECT, (member, now)
+            assert "4x video 4" in now.reason, (member, now)  # the 4x video ran, with the member's image processor
+
+
+def test_every_member_is_decided(m46):
+    """Every family member gets ``broken`` or ``correct`` (never ``undetermined``), the verdict 4.6's, judged with
+    transformers' own image processor for that model type (MiniCPM-OCR's on vLLM 0.34.0, whose own ``process_videos``
+    hands it options it refuses), or 4.6's where transformers lacks the model, said in the reason; forced, every member
+    re-probes ``correct`` with the 4x video run."""
+    _member_verdicts_are_decided(m46)
+
+
+@pytest.mark.placed(OCR_NARROW)
+def test_every_member_is_decided_with_vllms_own_ocr_classes(m46):
+    """The same on vLLM 0.33's own MiniCPM-OCR classes with transformers 5.24's MiniCPM-OCR: decided there too."""
+    assert _transformers_has("MiniCPM-OCR")
+    _member_verdicts_are_decided(m46)

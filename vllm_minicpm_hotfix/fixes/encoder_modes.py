@@ -41,12 +41,19 @@ that returns, per slice, as many rows as the mode it is asked for gives):
 
 1. vLLM's ``embed_multimodal`` on a batch of two one-slice images, one 16x and one 4x: does each get its own count
    (1 and 4 rows)?
-2. vLLM's ``process_mm_inputs`` (with transformers' real ``MiniCPMV4_6ImageProcessor``) on a one-frame 28x28 video
-   with ``{"downsample_mode": "4x"}``, filtered through vLLM's ``_get_mm_fields_config`` as vLLM's processor does, then
-   vLLM's ``embed_multimodal``: does the video get the 4x count of its ``video_tgt_sizes``?
+2. vLLM's ``process_mm_inputs`` (with the member's own transformers image processor, :data:`IMAGE_PROCESSORS`:
+   ``MiniCPMV4_6ImageProcessor`` for 4.6 and 4.7, ``MiniCPMOcrImageProcessor`` for MiniCPM-OCR) on a one-frame 28x28
+   video with ``{"downsample_mode": "4x"}``, filtered through vLLM's ``_get_mm_fields_config`` as vLLM's processor
+   does, then vLLM's ``embed_multimodal``: does the video get the 4x count of its ``video_tgt_sizes``? vLLM 0.33-0.34's
+   own OCR ``process_videos`` hands the image processor options no released transformers takes (every OCR video
+   fails before the encoder, whatever this fix does: ``ocr_video_kwargs``' defect, whose fix puts 4.6's
+   ``process_videos`` in its place); there the video is run through the 4.6 ``process_videos`` the member inherits,
+   and the reason says so.
 
-``broken`` if either answer is no (0.22-0.31: both), ``correct`` if both are yes (0.32-0.33), ``undetermined`` if a
-stand-in cannot be run, ``unrecognised`` if the classes or methods are not there. ``force`` applies wherever they are
+``broken`` if either answer is no (0.22-0.31: both), ``correct`` if both are yes (0.32-0.34, MiniCPM-OCR included),
+``undetermined`` if a stand-in cannot be run, ``unrecognised`` if the classes or methods are not there. Where
+transformers has no image processor of the member (MiniCPM-OCR before transformers has ``minicpm_ocr``, e.g. 0.32.0,
+0.33.0 with 5.20.2: vLLM cannot serve it there) 4.6's stands in, and the reason says so. ``force`` applies wherever they are
 (on a vLLM that already groups, the wrapper's groups are what vLLM would form itself).
 
 Upstream
@@ -69,7 +76,9 @@ from types import ModuleType
 from typing import Any
 
 from ..decision import State, Verdict
-from ._base import INFO_CLASS, MODEL_CLASS, PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, wrap
+from ._base import (
+    FAMILY, INFO_CLASS, MODEL_CLASS, PROCESSOR_CLASS, PROCESSOR_PATH, V46, V47, VOCR, Call, base_named, wrap,
+)
 
 NAME = "encoder_modes"
 LABEL = "per-item downsample mode in the vision encoder (mixed 4x/16x batches, 4x videos)"
@@ -312,15 +321,60 @@ def _probe_image_processor(cls: type, **kwargs: Any) -> Any:
     return processor
 
 
-def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int]:
-    """(rows vLLM gives a one-frame "4x" video, rows its placeholder is sized for)."""
+#: transformers' image processor of each member (torchvision backend: what AutoImageProcessor gives a checkpoint wherever
+#: torchvision is installed, as it is with vLLM): the class whose kwargs check a member's frames go through. 4.7's is
+#: 4.6's (transformers maps ``minicpmv4_7`` to it).
+IMAGE_PROCESSORS = {
+    V46: ("transformers.models.minicpmv4_6.image_processing_minicpmv4_6", "MiniCPMV4_6ImageProcessor"),
+    V47: ("transformers.models.minicpmv4_6.image_processing_minicpmv4_6", "MiniCPMV4_6ImageProcessor"),
+    VOCR: ("transformers.models.minicpm_ocr.image_processing_minicpm_ocr", "MiniCPMOcrImageProcessor"),
+}
+
+
+def member_image_processor(module: ModuleType) -> tuple[type, str]:
+    """(transformers' image processor class of the member ``module`` stands for -- a :func:`~._base.member_view` or
+    vLLM's 4.6 module: :data:`IMAGE_PROCESSORS` --, a note: "" or why another class stands in). Where the installed
+    transformers has no such class (MiniCPM-OCR before transformers has ``minicpm_ocr``: vLLM cannot serve the member
+    there), 4.6's, which the member's image processor is a variant of, and the note says so. Raises ImportError where
+    transformers has neither."""
+    import importlib
+
+    member = FAMILY.get(module.__name__, V46)
+    mod_name, cls_name = IMAGE_PROCESSORS.get(member, IMAGE_PROCESSORS[V46])
+    try:
+        return getattr(importlib.import_module(mod_name), cls_name), ""
+    except (ImportError, AttributeError) as exc:
+        base_mod, base_name = IMAGE_PROCESSORS[V46]
+        if (mod_name, cls_name) == (base_mod, base_name):
+            raise
+        import transformers
+
+        note = (f"transformers {transformers.__version__} has no {cls_name} ({type(exc).__name__}: {exc}; vLLM cannot "
+                f"serve this member here), so its frames are judged with {base_name}")
+        return getattr(importlib.import_module(base_mod), base_name), note
+
+
+def _rejects_kwargs(exc: BaseException) -> bool:
+    """Whether ``exc`` is an image processor's kwargs check refusing an option (a ``TypeError`` naming an unexpected
+    keyword argument): the frame is refused before any pixel or encoder work."""
+    return isinstance(exc, TypeError) and "unexpected keyword argument" in str(exc)
+
+
+def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int, str]:
+    """(rows vLLM gives a one-frame "4x" video, rows its placeholder is sized for, a note: "" or how the video path
+    was run). The member's own ``process_mm_inputs`` with the member's transformers image processor
+    (:func:`member_image_processor`). Where the member's own ``process_videos`` overrides 4.6's and hands the image
+    processor an option it refuses (vLLM 0.33-0.34's MiniCPM-OCR: every video fails before the encoder, whatever
+    this fix does: ``ocr_video_kwargs``' defect, which puts 4.6's ``process_videos`` in its place), the video is run
+    through the 4.6 ``process_videos`` the member inherits, still in the member's ``process_mm_inputs`` and with its
+    image processor: the path its videos take once they can be processed at all."""
     import numpy as np
     import torch
-    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
 
     proc_cls = getattr(module, PROCESSOR_CLASS)
     info_cls = getattr(module, INFO_CLASS)
-    image_processor = _probe_image_processor(MiniCPMV4_6ImageProcessor, scale_resolution=56)  # 28x28 -> 56x56
+    ip_cls, ip_note = member_image_processor(module)
+    image_processor = _probe_image_processor(ip_cls, scale_resolution=56)  # 28x28 -> 56x56
     info = object.__new__(info_cls)
     video = [np.zeros((28, 28, 3), dtype=np.uint8)]
     request = {"downsample_mode": "4x"}
@@ -337,14 +391,25 @@ def _four_x_video(module: ModuleType, config: Any) -> tuple[int, int]:
     proc.info = info
     params = inspect.signature(proc_cls.process_mm_inputs).parameters
     args = [{"videos": [video]}, request] + ([{}] if "tok_kwargs" in params else [])
-    out = proc_cls.process_mm_inputs(proc, *args)
+    notes = [ip_note] if ip_note else []
+    try:
+        out = proc_cls.process_mm_inputs(proc, *args)
+    except TypeError as exc:
+        base = base_named(proc_cls, PROCESSOR_CLASS)  # vLLM's 4.6 class (a member view names its subclass so)
+        if (not _rejects_kwargs(exc) or base is None or base is proc_cls
+                or getattr(proc_cls, "process_videos", None) is getattr(base, "process_videos", None)):
+            raise
+        proc.process_videos = types.MethodType(base.process_videos, proc)
+        notes.append(f"its own process_videos refuses the frame: {type(exc).__name__}: {exc} (ocr_video_kwargs' "
+                     "defect), so the video is judged on the process_videos of vLLM's 4.6 class, which it inherits")
+        out = proc_cls.process_mm_inputs(proc, *args)
     fields = proc_cls._get_mm_fields_config(proc, out, request)
     batch = {k: torch.stack([v[0]]) for k, v in out.items() if k in fields and k.startswith(VIDEO_PREFIX)}
     model = _stand_in_model(module, config, [])
     emb = getattr(module, MODEL_CLASS).embed_multimodal(model, **batch)
     got = sum(int(e.shape[0]) for e in emb)
     want = sum(rows_for(out["video_tgt_sizes"][0], False))
-    return got, want
+    return got, want, "; ".join(notes)
 
 
 def probe(module: ModuleType) -> Verdict:
@@ -370,12 +435,13 @@ def probe(module: ModuleType) -> Verdict:
                                      f"encoder batch get {got} embeddings, their placeholders {want} (the 4x-video "
                                      "check not run)")
     try:
-        got_v, want_v = _four_x_video(module, config)
+        got_v, want_v, note = _four_x_video(module, config)
     except Exception as exc:  # noqa: BLE001
         return Verdict(State.UNDETERMINED, f"4x-video probe failed: {type(exc).__name__}: {exc}")
     if got_v != want_v:
         problems.append(f"a one-frame 4x video gets {got_v} embeddings, its placeholder {want_v}")
+    tail = f" ({note})" if note else ""
     if problems:
-        return Verdict(State.BROKEN, "vLLM's vision encoder ignores the per-item mode: " + "; ".join(problems))
+        return Verdict(State.BROKEN, "vLLM's vision encoder ignores the per-item mode: " + "; ".join(problems) + tail)
     return Verdict(State.CORRECT, "not needed: vLLM encodes each image and video in its own mode "
-                                  f"(mixed batch {got}, 4x video {got_v})")
+                                  f"(mixed batch {got}, 4x video {got_v}){tail}")
