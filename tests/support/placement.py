@@ -51,3 +51,21 @@ def own_member_envs(vllm_module: str, transformers_model: str, *specs: str) -> t
             and _package_file("transformers", f"models/{transformers_model}/__init__.py")):
         return (*specs, spec)
     return specs
+
+
+def newest_envs(*specs: str) -> tuple[str, ...]:
+    """``specs``, plus this environment wherever its vLLM is at least the newest release tests/data/stock.json records
+    (today's newest, the canary's newest on the index tomorrow), unless it is narrow: where a release first meets the
+    suite, the checks a user of it runs first (doctor, verify) run too."""
+    import json
+
+    spec = environment_spec()
+    if spec in specs or spec in NARROW_ENVS:
+        return specs
+    data = Path(__file__).resolve().parents[1] / "data" / "stock.json"
+    recorded = [k.split(":tf")[0] for k in json.loads(data.read_text())["environments"]]
+
+    def key(version: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+
+    return (*specs, spec) if key(vllm_release()) >= max(map(key, recorded)) else specs
