@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import platform
 import random
@@ -96,38 +95,35 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def bootstrap_ratio_ci(a: Sequence[float], b: Sequence[float], *, n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of median(b) / median(a), resampling the *pairs* (so drift shared by a pair stays
-    shared)."""
+def bootstrap_ci(a: Sequence[float], b: Sequence[float], *, n: int = 2000,
+                 seed: int = 0) -> tuple[tuple[float, float], tuple[float, float]]:
+    """95% bootstrap intervals of median(b) / median(a) and of median(b) - median(a), resampling the *pairs* (so drift
+    shared by a pair stays shared); nan with fewer than 3 pairs."""
+    nan2 = (float("nan"), float("nan"))
     if len(a) < 3:
-        return float("nan"), float("nan")
+        return nan2, nan2
     rng = random.Random(seed)
     pairs = list(zip(a, b))
-    ratios = []
+    ratios, deltas = [], []
     for _ in range(n):
         sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        ratios.append(median([y for _, y in sample]) / median([x for x, _ in sample]))
+        ma, mb = median([x for x, _ in sample]), median([y for _, y in sample])
+        ratios.append(mb / ma)
+        deltas.append(mb - ma)
     ratios.sort()
-    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
+    deltas.sort()
+    lo, hi = int(0.025 * n), int(0.975 * n) - 1
+    return (ratios[lo], ratios[hi]), (deltas[lo], deltas[hi])
 
 
 def compare(a: Sequence[float], b: Sequence[float]) -> dict:
-    """Medians of A and B, their difference and ratio, the 95% interval of the ratio, and the median paired ratio."""
+    """Medians of A and B, their difference and ratio with 95% intervals, and the median paired ratio."""
     ma, mb = median(a), median(b)
-    lo, hi = bootstrap_ratio_ci(a, b)
+    ratio_ci, delta_ci = bootstrap_ci(a, b)
     paired = [y / x for x, y in zip(a, b) if x]
-    return {
-        "n": len(a),
-        "a_median": ma,
-        "b_median": mb,
-        "delta": mb - ma,
-        "ratio": mb / ma if ma else float("nan"),
-        "ratio_ci95": [lo, hi],
-        "paired_ratio_median": median(paired),
-        "paired_ratio_ci95": list(median_ci(paired)),
-        "a_min": min(a) if a else float("nan"),
-        "b_min": min(b) if b else float("nan"),
-    }
+    return {"n": len(a), "a_median": ma, "b_median": mb, "delta": mb - ma, "delta_ci95": list(delta_ci),
+            "ratio": mb / ma if ma else float("nan"), "ratio_ci95": list(ratio_ci),
+            "paired_ratio_median": median(paired), "paired_ratio_ci95": list(median_ci(paired))}
 
 
 def env_facts(python: str) -> dict:
@@ -190,7 +186,7 @@ def quantile_ratio_ci(a: Sequence[float], b: Sequence[float], q: float, *, n: in
                       seed: int = 0) -> tuple[float, float]:
     """95% bootstrap interval of quantile_q(b) / quantile_q(a), resampling A's and B's values independently (they
     are not paired: two servers' requests). nan, nan with fewer than 3 values on either side."""
-    from support.load_mix import quantile
+    from load_mix import quantile
 
     if len(a) < 3 or len(b) < 3:
         return float("nan"), float("nan")
@@ -202,30 +198,3 @@ def quantile_ratio_ci(a: Sequence[float], b: Sequence[float], q: float, *, n: in
         ratios.append(qb / qa if qa else float("nan"))
     ratios.sort()
     return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
-
-
-def slope_ci(points: Sequence[tuple[float, float]], *, block: int = 10, n: int = 2000,
-             seed: int = 0) -> tuple[float, float]:
-    """95% moving-block bootstrap interval of the least-squares slope (tests/support/load_mix.py's ``slope``) over
-    time-ordered ``points``: blocks of ``block`` consecutive points resampled with replacement (consecutive RSS
-    samples are not independent). nan, nan with fewer than 2 blocks."""
-    from support.load_mix import slope as ols_slope
-
-    if len(points) < 2 * block:
-        return float("nan"), float("nan")
-    rng = random.Random(seed)
-    starts = len(points) - block + 1
-    k = len(points) // block
-    slopes = []
-    for _ in range(n):
-        sample = []
-        for _ in range(k):
-            s = rng.randrange(starts)
-            sample.extend(points[s:s + block])
-        v = ols_slope(sample)
-        if not math.isnan(v):
-            slopes.append(v)
-    if len(slopes) < n // 2:
-        return float("nan"), float("nan")
-    slopes.sort()
-    return slopes[int(0.025 * len(slopes))], slopes[int(0.975 * len(slopes)) - 1]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One full-size load measurement, in this (fresh) process; prints one JSON line. Run by benchmarks/bench_load.py.
+"""One full-size load measurement, in this (fresh) process; prints one JSON line. Run by benchmarks/bench.py.
 
     VLLM_MINICPM_HOTFIX=auto|force python benchmarks/load_one.py CHECKPOINT_DIR
 
@@ -10,8 +10,8 @@ probe; ``auto`` on a release whose own loading is correct leaves vLLM unpatched,
 
 Memory: ``ru_maxrss`` of the process (its whole-life peak), and around the load ``VmRSS`` before, ``VmHWM`` (peak)
 after -- the kernel's peak is reset just before the load by writing ``5`` to ``/proc/self/clear_refs`` so it covers
-the load only -- and ``VmRSS`` after, with its anonymous / file-backed split; a thread samples ``RssAnon`` and
-``RssFile`` every 20 ms during the load for their peaks (mapped checkpoint pages count in RSS while mapped). After the figures are taken it checks
+the load only -- and ``VmRSS`` after, with its anonymous / file-backed split (mapped checkpoint pages count in RSS while mapped).
+After the figures are taken it checks
 that the vit_merger ``qkv_proj`` equals ``cat(q, k, v)`` of the checkpoint, so a fast but wrong load cannot pass.
 """
 
@@ -48,86 +48,6 @@ def reset_peak() -> bool:
         return False
 
 
-class AnonSampler:
-    """Samples RssAnon / RssFile every ``interval`` s in a thread, keeping the maxima (the kernel's VmHWM does not
-    split anonymous memory, where a second copy of a tensor would show, from mapped checkpoint pages)."""
-
-    def __init__(self, interval: float = 0.02) -> None:
-        import threading
-
-        self.interval = interval
-        self.max_anon = 0
-        self.max_file = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            s = proc_status()
-            self.max_anon = max(self.max_anon, s["RssAnon"])
-            self.max_file = max(self.max_file, s["RssFile"])
-            self._stop.wait(self.interval)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        s = proc_status()
-        self.max_anon = max(self.max_anon, s["RssAnon"])
-        self.max_file = max(self.max_file, s["RssFile"])
-
-
-def instrument_hotfix(model) -> dict[str, float]:
-    """Where the patch is applied, time the hotfix's code during the load: the self-attention's ``load_weights``,
-    within it the calls of vLLM's own weight loaders (the module's tensor copies, which stock vLLM makes too), and
-    the completeness check the top-level wrapper runs after vLLM's loader. Returns the dict the timers fill (s)."""
-    from vllm_minicpm_hotfix.fixes import qkv_loader
-
-    keys = ("attn_load_weights", "weight_loaders", "completeness_check")
-    spent: dict[str, float] = {k: 0.0 for k in keys} | {f"{k}_cpu": 0.0 for k in keys}
-
-    def timed(fn, key):
-        def wrapper(*args, **kwargs):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - t0
-                spent[f"{key}_cpu"] += time.thread_time() - c0  # this thread: the Python work, not torch's pool
-        return wrapper
-
-    def timed_attn(fn):
-        # The self-attention's tensors are the checkpoint's last ones; releasing the last tensor releases the whole
-        # 2.6 GB file mapping (tens of ms, made by stock vLLM wherever that happens). Hold it until the timer has
-        # stopped, so the hotfix is not charged for it.
-        timed_fn = timed(fn, "attn_load_weights")
-
-        def wrapper(self, weights):
-            held: list = []
-
-            def hold(items):
-                for item in items:
-                    held[:] = [item]
-                    yield item
-
-            try:
-                return timed_fn(self, hold(weights))
-            finally:
-                t0 = time.perf_counter()
-                held.clear()
-                spent["release_last_tensor"] = spent.get("release_last_tensor", 0.0) + time.perf_counter() - t0
-        return wrapper
-
-    attn_cls = type(model.vit_merger.self_attn)
-    attn_cls.load_weights = timed_attn(attn_cls.__dict__["load_weights"])
-    qkv_loader._load_one = timed(qkv_loader._load_one, "weight_loaders")  # vLLM's weight loaders: the copies
-    qkv_loader.qkv_params_never_loaded = timed(qkv_loader.qkv_params_never_loaded, "completeness_check")
-    return spent
-
-
 def main() -> int:
     ckpt = Path(sys.argv[1])
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -149,17 +69,12 @@ def main() -> int:
     t_built = time.perf_counter()
     fix = vllm_minicpm_hotfix.status()["fixes"].get("qkv_loader") or {}
 
-    hotfix_s = instrument_hotfix(model) if fix.get("applied") else None
-
     gc.collect()
     before = proc_status()
     peak_reset = reset_peak()
-    with AnonSampler() as sampler:
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        loaded = load_checkpoint(model, ckpt)
-        t1 = time.perf_counter()
-        c1 = time.process_time()
+    c0, t0 = time.process_time(), time.perf_counter()
+    loaded = load_checkpoint(model, ckpt)
+    t1, c1 = time.perf_counter(), time.process_time()
     after = proc_status()
     ru_maxrss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
@@ -181,8 +96,7 @@ def main() -> int:
         "exact": exact,
         "n_loaded": len(loaded) if loaded is not None else None,
         "load_s": t1 - t0,
-        "load_cpu_s": c1 - c0,  # all threads of the process (the sampler's share is negligible)
-        "hotfix_code_s": hotfix_s,  # time inside the hotfix's own code during the load (patched runs only)
+        "load_cpu_s": c1 - c0,  # all threads of the process
         "build_s": t_built - t_start,
         "ru_maxrss_mib": ru_maxrss_kib / 1024,
         "rss_before_mib": before["VmRSS"] / 1024,
@@ -192,8 +106,6 @@ def main() -> int:
         "rss_increase_mib": (after["VmRSS"] - before["VmRSS"]) / 1024,
         "anon_increase_mib": (after["RssAnon"] - before["RssAnon"]) / 1024,
         "file_increase_mib": (after["RssFile"] - before["RssFile"]) / 1024,
-        "anon_peak_increase_mib": (sampler.max_anon - before["RssAnon"]) / 1024,
-        "file_peak_increase_mib": (sampler.max_file - before["RssFile"]) / 1024,
         "peak_reset": peak_reset,
         "torch_threads": torch.get_num_threads(),
     }))

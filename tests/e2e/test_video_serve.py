@@ -15,7 +15,7 @@ in both (stock vLLM does not start on these releases with transformers 5.24: tes
 
 On 0.24.0 the hotfix server also takes a sustained mixed load (``test_sustained_mixed_load``: a seeded mix of
 images with per-request kwargs, repeats, videos and refused requests, 8 at a time for 15 + 60 s, after 80 large
-images that fill its processor cache; tests/support/load_mix.py), so that the load costs no server start of its own.
+images that fill its processor cache; benchmarks/load_mix.py), so that the load costs no server start of its own.
 
 On 0.28.0 the hotfix server also shows tests/e2e/test_serve.py's pip-installed route (``test_pip_installed_serves_images``:
 an image chat answered, the q/k/v patch logged by the process that loaded the weights), so that release's run starts
@@ -32,7 +32,7 @@ import pytest
 from support.hotfix_log import patched_pids, summaries
 from support.video import WORKAROUND, data_url, write_video
 
-from support import load_mix
+from benchmarks import load_mix
 from support.venvs import clean_env
 from support.server import HEALTHY_WITHIN_S, post, serving
 from support.serving import SERVE_ARGS as SHARED_SERVE_ARGS
@@ -133,8 +133,8 @@ def test_pip_installed_serves_images(hotfix_server):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# A sustained mixed load on the same server (0.24.0): tests/support/load_mix.py; the benchmark's long version, stock
-# against the hotfix, is benchmarks/load_bench.py (docs/benchmarks.md, section 7)
+# A sustained mixed load on the same server (0.24.0): benchmarks/load_mix.py; the benchmark's long version, stock
+# against the hotfix, is benchmarks/serving.py (docs/benchmarks.md, section 7)
 # --------------------------------------------------------------------------------------------------------------------
 
 #: The short load's mix: fresh images of six sizes (two the notes name: 365x211, 449x448) with every per-request

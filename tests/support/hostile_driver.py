@@ -15,52 +15,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-
 from support.server import Server, png_data_url, post
 from support.hostile_cases import Case, broken_media, make_image
+from benchmarks.load_mix import HEALTH_WAIT_S, engine_alive, rss_bytes  # noqa: F401 - one copy, shared with the load mix
 
 REQUEST_TIMEOUT_S = 120
 RUN_BUDGET_S = 900
 #: A known-good request is sent after every this many cases (and at the end): is the engine still answering?
 ALIVE_EVERY = 6
 RSS_PERIOD_S = 0.1
-#: How long a ``/health`` that does not answer at all is waited for while the server process still runs: on the
-#: 2-core CI machine a busy API server once took over 10 s to answer (the CI run of 2026-12-01, 0.22.1).
-HEALTH_WAIT_S = 60
-
-
-def engine_alive(server: Server) -> tuple[bool, str]:
-    """Whether ``server``'s engine is alive, and what ``/health`` said. vLLM answers ``/health`` with 500 once its
-    engine is dead (``EngineDeadError``) and the process exits when the API server dies, so an answer other than 200,
-    or an exited process, is a death at once; a health check that gets no answer while the process runs (a busy
-    machine) is repeated for up to :data:`HEALTH_WAIT_S`, and is a death after that."""
-    deadline = time.monotonic() + HEALTH_WAIT_S
-    while True:
-        try:
-            status = httpx.get(f"{server.url}/health", timeout=10).status_code
-            return status == 200, f"/health {status}"
-        except httpx.HTTPError as exc:
-            detail = f"/health no answer: {type(exc).__name__}: {exc}"
-        if server.proc.poll() is not None:
-            return False, f"{detail}; the server exited ({server.proc.returncode})"
-        if time.monotonic() > deadline:
-            return False, f"{detail} for {HEALTH_WAIT_S} s"
-        time.sleep(2)
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of process ``pid`` (``VmRSS`` of ``/proc/PID/status``), 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return 0
-
-
 class RssSampler:
     """Samples ``rss_bytes(pid)`` every :data:`RSS_PERIOD_S` in a thread; ``peak`` is the highest seen."""
 

@@ -1,6 +1,6 @@
 """A seeded, sustained, mixed load against a running ``vllm serve`` on 127.0.0.1, and what it measured: shared by the
-suite's short run (tests/e2e/test_video_serve.py, ``test_sustained_mixed_load``) and the benchmark
-(benchmarks/load_bench.py).
+suite's short run (tests/e2e/test_video_serve.py, ``test_sustained_mixed_load``, as ``benchmarks.load_mix``) and the
+benchmark (benchmarks/serving.py, sections 6 and 7). It imports nothing from tests/ or from benchmarks/.
 
 The mix (:class:`Mix`) is a function of its seed and the request's index only (:meth:`Mix.request`), so two servers
 sent the same mix get byte-identical requests in the same order, whatever their speed. Each request is one of:
@@ -17,7 +17,8 @@ sent the same mix get byte-identical requests in the same order, whatever their 
 :func:`run` sends the mix ``concurrency`` requests at a time through the OpenAI client (every request with a timeout;
 the run bounded in time and in count), samples the resident memory (``VmRSS``) and CPU time of the API server,
 EngineCore and the worker, checks ``/health`` after every answer >= 500 or none (a dead engine ends the run), and
-returns a :class:`Report`. Nothing here imports vLLM.
+returns a :class:`Report`. Nothing here imports vLLM. :func:`engine_alive` and :func:`rss_bytes` serve the hostile run
+(tests/support/hostile_driver.py) as well.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from support.hostile_driver import rss_bytes
-
 KINDS = ("image", "repeat", "video", "refused")
 ROLES = ("api", "engine", "worker")
 MIB = 2**20
+#: How long a ``/health`` that does not answer at all is waited for while the server process still runs: on the
+#: 2-core CI machine a busy API server once took over 10 s to answer (the CI run of 2026-12-01, 0.22.1).
+HEALTH_WAIT_S = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,21 +405,48 @@ def quantile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _engine_alive(server) -> tuple[bool, str]:
-    from support.hostile_driver import engine_alive
+def engine_alive(server) -> tuple[bool, str]:
+    """Whether ``server``'s engine is alive, and what ``/health`` said. vLLM answers ``/health`` with 500 once its
+    engine is dead (``EngineDeadError``) and the process exits when the API server dies, so an answer other than 200,
+    or an exited process, is a death at once; a health check that gets no answer while the process runs (a busy
+    machine) is repeated for up to :data:`HEALTH_WAIT_S`, and is a death after that."""
+    import httpx
 
-    return engine_alive(server)
+    deadline = time.monotonic() + HEALTH_WAIT_S
+    while True:
+        try:
+            status = httpx.get(f"{server.url}/health", timeout=10).status_code
+            return status == 200, f"/health {status}"
+        except httpx.HTTPError as exc:
+            detail = f"/health no answer: {type(exc).__name__}: {exc}"
+        if server.proc.poll() is not None:
+            return False, f"{detail}; the server exited ({server.proc.returncode})"
+        if time.monotonic() > deadline:
+            return False, f"{detail} for {HEALTH_WAIT_S} s"
+        time.sleep(2)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` (``VmRSS`` of ``/proc/PID/status``), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
 
 
 def run(server, mix: Mix, *, seconds: float, warmup_s: float, concurrency: int, max_requests: int,
         max_tokens: int = 8, timeout_s: float = 120, rss_period_s: float = 0.5, label: str = "",
         memory_guard: Callable[[int, int], str] | None = None,
         progress: Callable[[str], None] | None = None) -> Report:
-    """Send ``mix`` to ``server`` (a support.server.Server, healthy) ``concurrency`` at a time for ``warmup_s +
+    """Send ``mix`` to ``server`` (healthy; anything with ``proc``, ``url``, ``model`` and ``api_key``: tests/support/server.py's ``Server``, benchmarks/serving.py's) ``concurrency`` at a time for ``warmup_s +
     seconds`` (or ``max_requests`` requests, whichever comes first), each request with a ``timeout_s`` timeout,
     sampling the RSS of the server's API server, EngineCore and worker every ``rss_period_s``.
 
-    An answer >= 500 or none makes a worker check ``/health`` (support.hostile_driver.engine_alive); a dead engine
+    An answer >= 500 or none makes a worker check ``/health`` (:func:`engine_alive`); a dead engine
     or a vanished server counts one death and ends the run. ``memory_guard(group RSS bytes, MemAvailable bytes)``,
     if given, is asked at every sample: a non-empty reason kills the server's whole process group (SIGKILL; on a
     shared machine a runaway server must not take the others down) and ends the run."""
@@ -483,7 +512,7 @@ def run(server, mix: Mix, *, seconds: float, warmup_s: float, concurrency: int, 
             if progress and (state["done"] % 100 == 0):
                 progress(f"{label}: {state['done']} answered, {out.t1:.0f} s")
             if (out.status == 0 or out.status >= 500) and not stop.is_set():
-                alive, health = _engine_alive(server)
+                alive, health = engine_alive(server)
                 if not alive:
                     with lock:
                         if not stop.is_set():
@@ -503,7 +532,7 @@ def run(server, mix: Mix, *, seconds: float, warmup_s: float, concurrency: int, 
     report.seconds = time.monotonic() - start
     report.outcomes.sort(key=lambda o: o.req.index)
     if not report.deaths and not report.guard:
-        alive, health = _engine_alive(server)
+        alive, health = engine_alive(server)
         if not alive:
             report.deaths, report.death = 1, f"{health} at the end of the run"
     return report
