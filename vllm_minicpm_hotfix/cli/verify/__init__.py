@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                    "default), 'auto' (what `vllm serve` picks), float32, bfloat16, float16")
     p.add_argument("--full-model", action="store_true",
                    help="build and load the language model too (default: left out through vLLM's mm_encoder_only)")
+    p.add_argument("--fixes", action="store_true", help="a table of every fix: patched or not, and why")
     p.add_argument("--debug", action="store_true", help="tracebacks and vLLM's own INFO logging")
     return p
 
@@ -138,8 +139,8 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     t = time.perf_counter()
     module, version = start_vllm_like_its_processes(args.device)
     times["import vLLM"] = time.perf_counter() - t
-    active, hotfix_line, _status = hotfix_state()
-    render.hotfix(hotfix_line)
+    active, hotfix_line, fix_rows = hotfix_state()
+    render.hotfix(hotfix_line, fix_rows if args.fixes else None)
     t = time.perf_counter()
     render.stop_ids(stop_tokens.report(ckpt.path))
     times["stop ids"] = time.perf_counter() - t
