@@ -284,7 +284,8 @@ def parse_summary(log: str, registry: list[str]) -> list[dict[str, Any]]:
     """Every :func:`summary_line` in ``log`` (text of any number of lines), in order, as dicts: ``models`` (list of
     member names), ``vllm``, ``mode``, ``pid`` (int), ``applied`` (NAMEs, ``all`` / ``all but`` expanded against
     ``registry``, in registry order), ``total`` (int), ``left_out``, ``could_not_tell`` and ``failed`` (NAMEs),
-    ``backports`` (member -> what the line says of it, e.g. ``{"MiniCPM-V 4.7": "registered by the hotfix"}``),
+    ``backports`` (MiniCPM-V member -> what the line says of it, e.g. ``{"MiniCPM-V 4.7": "registered by the
+    hotfix"}``; MiniCPM-OCR's part is on the line and not in this dict, as before),
     ``line`` (the line
     from ``vllm-minicpm-hotfix:`` on)."""
     out = []
@@ -294,7 +295,8 @@ def parse_summary(log: str, registry: list[str]) -> list[dict[str, Any]]:
         rest = {k: _expand(v, registry)
                 for k, v in re.findall(r"; (left out|could not tell|failed): ([^;]+)", m["rest"])}
         backports = {_long(member): what for members, what in re.findall(rf"; ([\w.]+(?:, [\w.]+)*): ({says})(?=;|$)",
-                                                                        m["rest"]) for member in members.split(", ")}
+                                                                        m["rest"]) for member in members.split(", ")
+                     if member[:1].isdigit()}  # the MiniCPM-V members (4.7), as the tests of serving read them
         models = m["models"]
         out.append({
             "models": [] if models.startswith("no ") else [f"MiniCPM-V {n}" for n in models.split()[-1].split("/")],
