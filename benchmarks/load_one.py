@@ -58,11 +58,8 @@ def main() -> int:
     import torch
 
     import vllm_minicpm_hotfix
-    from vllm_minicpm_hotfix.cli.vllm_cpu import (
-        build_vllm_model,
-        checkpoint_files,
-        load_checkpoint,
-    )
+    from vllm_minicpm_hotfix.checkpoint import weight_files
+    from vllm_minicpm_hotfix.cli.vllm_cpu import build_vllm_model, load_checkpoint
 
     vllm_minicpm_hotfix.install()
     model = build_vllm_model(ckpt, dtype="bfloat16", load=False)
@@ -84,7 +81,7 @@ def main() -> int:
     attn = model.vit_merger.self_attn
     exact = True
     prefix = "model.vision_tower.vit_merger.self_attn."
-    with safe_open(str(checkpoint_files(ckpt)[0]), framework="pt") as sf:
+    with safe_open(str(weight_files(ckpt)[0][0]), framework="pt") as sf:
         for suffix in ("weight", "bias"):
             want = torch.cat([sf.get_tensor(f"{prefix}{p}_proj.{suffix}") for p in "qkv"])
             exact &= bool(torch.equal(getattr(attn.qkv_proj, suffix).detach(), want.to(torch.bfloat16)))

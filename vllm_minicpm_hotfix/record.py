@@ -140,10 +140,9 @@ def installed_vllm_version() -> str | None:
 #: Every summary line starts with this.
 SUMMARY_PREFIX = "vllm-minicpm-hotfix: "
 
-#: What :func:`summary_line` writes (anywhere on a line, after vLLM's own prefix), as a pattern with named groups ``models``, ``vllm``, ``mode``, ``pid``,
-#: ``applied``, ``total`` and ``names`` (the rendering of the applied fixes: ``all``, ``none``, a comma-separated
-#: list of NAMEs, or ``all but`` and a list of the NAMEs not applied), ``rest`` (``; could not tell: ...`` /
-#: ``; failed: ...`` or empty).
+#: What :func:`summary_line` writes (anywhere on a line, after vLLM's own prefix), as a pattern with named groups
+#: ``models``, ``vllm``, ``mode``, ``pid``, ``applied``, ``total``, ``names`` (the applied fixes by number:
+#: :func:`_render`) and ``rest`` (the ``; ...`` parts before the pointer to doctor, or empty).
 SUMMARY_PATTERN = re.compile(
     r"vllm-minicpm-hotfix: (?P<models>MiniCPM-V [^,\n]+|no MiniCPM-V model), vLLM (?P<vllm>\S+), mode (?P<mode>\w+), "
     r"pid (?P<pid>\d+): patched (?P<applied>\d+)/(?P<total>\d+) \((?P<names>[^)\n]*)\)(?P<rest>(; [^;\n]+)*); "
@@ -151,10 +150,16 @@ SUMMARY_PATTERN = re.compile(
     re.MULTILINE,
 )
 
+#: The longest the line may be, vLLM's prefix of about 60 characters included (``(APIServer pid=12345) WARNING
+#: 12-08 01:02:03 [record.py:267] ``): a person reads it in a terminal next to vLLM's own lines.
+SUMMARY_BUDGET = 300
 
 #: The most characters of module names the summary line's ``not covered`` part spells out; past it, the modules are
 #: counted (``N modules``), so the part is at most 30 characters (``; not covered: `` and 15).
 NOT_COVERED_NAMES = 15
+
+#: What the line says of a backport (:func:`backport_says`), as the line's last words for it.
+_BACKPORT_SAYS = ("registered by the hotfix", "vLLM's own", "registered by another plugin", "not registered", "failed")
 
 
 def _not_covered(modules: list[str]) -> str:
@@ -167,38 +172,48 @@ def _not_covered(modules: list[str]) -> str:
 
 
 def _render(chosen: list[str], registry: list[str]) -> str:
-    """``chosen`` (a subset of ``registry``) as ``all``, its comma-separated list, or ``all but`` the others,
-    whichever is shortest (``none`` for an empty subset)."""
-    others = [n for n in registry if n not in chosen]
+    """``chosen`` (a subset of ``registry``) by number (``#1`` is the registry's first fix, the order ``doctor``
+    lists them in): ``all``, ``none``, their list (``#1 #4``) or ``all but`` the others, whichever is shorter."""
     if not chosen:
         return "none"
+    others = [f"#{i}" for i, n in enumerate(registry, 1) if n not in chosen]
     if not others:
         return "all"
-    listed, but = ", ".join(chosen), "all but " + ", ".join(others)
+    listed = " ".join(f"#{i}" for i, n in enumerate(registry, 1) if n in chosen)
+    but = "all but " + " ".join(others)
     return listed if len(listed) <= len(but) else but
 
 
 def _expand(text: str, registry: list[str]) -> list[str]:
-    """The inverse of :func:`_render`."""
+    """The inverse of :func:`_render`: NAMEs in registry order."""
     if text == "all":
         return list(registry)
     if text.startswith("none"):
         return []
-    if text.startswith("all but "):
-        left = set(text[len("all but "):].split(", "))
-        return [n for n in registry if n not in left]
-    return text.split(", ")
+    but = text.startswith("all but ")
+    numbers = {int(t) for t in re.findall(r"#(\d+)", text)}
+    return [n for i, n in enumerate(registry, 1) if (i in numbers) is not but]
+
+
+def _short(member: str) -> str:
+    """A family member as the line names it after the models part: ``4.7``, ``OCR``."""
+    return member.removeprefix("MiniCPM-V ").removeprefix("MiniCPM-")
+
+
+def _long(short: str) -> str:
+    """The inverse of :func:`_short`."""
+    return f"MiniCPM-V {short}" if short[:1].isdigit() else f"MiniCPM-{short}"
 
 
 def _backports_part(status: Status) -> str:
-    """``; MEMBER: what`` per backport with something to say (:func:`backport_says`), e.g. ``; MiniCPM-V 4.7:
-    registered by the hotfix`` or ``; MiniCPM-V 4.7: vLLM's own``; empty where there is none."""
-    parts = []
+    """``; MEMBERS: what`` per thing said of the backports (:func:`backport_says`), members grouped, e.g. ``; 4.7,
+    OCR: registered by the hotfix`` or ``; 4.7: vLLM's own``; empty where there is nothing to say."""
+    said: dict[str, list[str]] = {}
     for row in (status.backports or {}).values():
         says = backport_says(row)
         if says:
-            parts.append(f"; {row.member}: {says}")
-    return "".join(parts)
+            said.setdefault(says, []).append(_short(row.member))
+    return "".join(f"; {', '.join(members)}: {says}" for says, members in said.items())
 
 
 def summary_line(status: Status, registry: list[str]) -> str:
@@ -206,25 +221,23 @@ def summary_line(status: Status, registry: list[str]) -> str:
 
     ``registry``: every fix's ``NAME`` in registry order (:func:`vllm_minicpm_hotfix.fixes.names`). The line is::
 
-        vllm-minicpm-hotfix: MiniCPM-V 4.6/4.7, vLLM 0.32.0, mode auto, pid 16684: patched 9/12 (all but
-        qkv_loader, processor_downsample_mode, encoder_modes); details: vllm-minicpm-hotfix doctor
+        vllm-minicpm-hotfix: MiniCPM-V 4.6, vLLM 0.28.0, mode auto, pid 13977: patched 11/18 (all but #2 #4 #6
+        #10 #11 #15 #17); left out: #2 #6; 4.7, OCR: registered by the hotfix; details: vllm-minicpm-hotfix doctor
 
-    (one line; wrapped here). The applied fixes are named by ``NAME``: ``all``, ``none`` (``none: off`` under
-    ``VLLM_MINICPM_HOTFIX=off``), their list, or ``all but`` the list of the others, whichever is shorter -- so the
-    line stays under 320 characters for any subset of 18 fixes applied (where every probe reached a verdict). Fixes
-    ``VLLM_MINICPM_HOTFIX_DISABLED_FIXES`` leaves out follow as ``; left out: NAMES``; fixes left alone because their
-    probe could not tell (``unrecognised`` / ``undetermined``) follow as ``; could not tell: NAMES``, fixes that
-    raised inside the hook as ``; failed: NAMES`` (their traceback is a WARNING of its own), rendered the same way;
-    subclasses of the patched classes that no family member owns (a model vLLM added after this package) as ``; not covered: MODULES`` (the
-    last part of each such class's module, e.g. ``minicpmv4_8``), or ``; not covered: N modules`` where the names
-    would take more than :data:`NOT_COVERED_NAMES` characters: at most 30 characters, whatever is not covered (the
-    classes are in ``status()`` and ``doctor``), so with it the line stays under 350 for any subset. Each backport
-    (:mod:`vllm_minicpm_hotfix.backports`) with something to say follows as ``; MEMBER: what`` (``; MiniCPM-V 4.7:
-    registered by the hotfix``, ``; MiniCPM-V 4.7: vLLM's own``; :func:`backport_says`), at most 45 characters. A fix
-    whose probe waits for the first use of its code path (``fixes._base.deferred``) is not listed until then (``status()``
-    and ``doctor`` say "probed at first use"); while the processor path's group waits, the hook holds the line and
-    the group writes it once probed (vLLM's first processing info), so it names them. Each fix's reason is an INFO line
-    (``VLLM_LOGGING_LEVEL=INFO``); :data:`SUMMARY_PATTERN` parses the line. Pure: reads ``status`` only.
+    (one line; wrapped here). It counts and points; the names and reasons are each fix's INFO line
+    (``VLLM_LOGGING_LEVEL=INFO``) and ``doctor``'s rows. Fixes are named by number, ``#1`` the registry's first (the
+    order ``doctor`` lists them in), rendered by :func:`_render`: ``all``, ``none`` (``none: off`` under
+    ``VLLM_MINICPM_HOTFIX=off``), their list or ``all but`` the others, whichever is shorter. After the applied ones
+    come, where there are any: ``; left out: #N`` (``VLLM_MINICPM_HOTFIX_DISABLED_FIXES``), ``; could not tell: #N``
+    (the probe answered ``unrecognised`` / ``undetermined``: left alone), ``; failed: #N`` (raised inside the hook;
+    the traceback is a WARNING of its own), ``; not covered: MODULES`` (subclasses of the patched classes that no family
+    member owns, e.g. ``minicpmv4_8``; counted past :data:`NOT_COVERED_NAMES` characters) and the backports
+    (:func:`_backports_part`). With 18 fixes the worst realistic line (0.28.0, auto, fixes left out, both backports
+    registered) is about 215 characters, within :data:`SUMMARY_BUDGET` with vLLM's prefix.
+
+    A fix whose probe waits for the first use of its code path (``fixes._base.deferred``) is not counted until then;
+    while the processor path's group waits, the hook holds the line and the group writes it once probed.
+    :func:`parse_summary` reads the line back. Pure: reads ``status`` only.
     """
     fixes = status.fixes
     applied = [n for n in registry if n in fixes and fixes[n].applied]
@@ -237,9 +250,8 @@ def summary_line(status: Status, registry: list[str]) -> str:
     # fix that would reach them hands them to vLLM, and says so here and in doctor.
     uncovered = sorted({key.rpartition(".")[0].rpartition(".")[2] or key for n in registry if n in fixes
                         for key, row in (fixes[n].models or {}).items() if isinstance(row, dict) and row.get("unknown")})
-    rest = (f"; left out: {_render(left_out, registry)}" if left_out else "") + (
-        f"; could not tell: {_render(unsure, registry)}" if unsure else "") + (
-        f"; failed: {_render(failed, registry)}" if failed else "") + (
+    rest = "".join(f"; {label}: {_render(chosen, registry)}" for label, chosen in
+                   (("left out", left_out), ("could not tell", unsure), ("failed", failed)) if chosen) + (
         f"; not covered: {_not_covered(uncovered)}" if uncovered else "") + _backports_part(status)
     if status.models:
         numbers = [m.split()[-1] for m in status.models]
@@ -272,15 +284,19 @@ def parse_summary(log: str, registry: list[str]) -> list[dict[str, Any]]:
     """Every :func:`summary_line` in ``log`` (text of any number of lines), in order, as dicts: ``models`` (list of
     member names), ``vllm``, ``mode``, ``pid`` (int), ``applied`` (NAMEs, ``all`` / ``all but`` expanded against
     ``registry``, in registry order), ``total`` (int), ``left_out``, ``could_not_tell`` and ``failed`` (NAMEs),
-    ``backports`` (member -> what the line says of it, e.g. ``{"MiniCPM-V 4.7": "registered by the hotfix"}``),
+    ``backports`` (MiniCPM-V member -> what the line says of it, e.g. ``{"MiniCPM-V 4.7": "registered by the
+    hotfix"}``; MiniCPM-OCR's part is on the line and not in this dict, as before),
     ``line`` (the line
     from ``vllm-minicpm-hotfix:`` on)."""
     out = []
+    says = "|".join(re.escape(w) for w in _BACKPORT_SAYS)
     for m in SUMMARY_PATTERN.finditer(log):
         applied = _expand(m["names"], registry)
         rest = {k: _expand(v, registry)
                 for k, v in re.findall(r"; (left out|could not tell|failed): ([^;]+)", m["rest"])}
-        backports = dict(re.findall(r"; (MiniCPM-V [^:;]+): ([^;]+)", m["rest"]))
+        backports = {_long(member): what for members, what in re.findall(rf"; ([\w.]+(?:, [\w.]+)*): ({says})(?=;|$)",
+                                                                        m["rest"]) for member in members.split(", ")
+                     if member[:1].isdigit()}  # the MiniCPM-V members (4.7), as the tests of serving read them
         models = m["models"]
         out.append({
             "models": [] if models.startswith("no ") else [f"MiniCPM-V {n}" for n in models.split()[-1].split("/")],

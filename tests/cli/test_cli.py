@@ -479,14 +479,16 @@ def test_verify_tiny_stock(setups, expected, release):
 
 def test_verify_sharded_hub_id_with_bundle(setups, hub_cache, expected):
     """A hub id resolved offline from the huggingface_hub cache, a sharded checkpoint, the bundle on PYTHONPATH."""
-    proc = setups.run("bundle", ["verify", "--model", HUB_ID], HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
+    proc = setups.run("bundle", ["verify", "--model", HUB_ID, "--fixes"], HF_HUB_CACHE=str(hub_cache),
+                      HF_HUB_OFFLINE="1")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     assert f"{HUB_ID} (huggingface_hub cache: {hub_cache}" in out
     assert "3 safetensors files (sharded)" in out
     assert "language model left out (vLLM's mm_encoder_only: built on meta, 27 of its tensors not read)" in out
     assert "hotfix      active (mode auto, activated by sitecustomize)" in out
-    assert ("qkv_loader: PATCHED" in out) is (expected[0] == "broken")
+    # --fixes: the line counts, a table under it gives each fix's result
+    assert (re.search(r"^  qkv_loader +PATCHED ", out, re.M) is not None) is (expected[0] == "broken"), out
     rows = _rows(out)
     assert list(rows) == PARAMS
     assert all(" OK == " in rows[p] for p in PARAMS), rows

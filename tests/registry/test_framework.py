@@ -342,7 +342,7 @@ def test_a_left_out_fix_is_recorded_and_what_comes_after_it_runs_alone(monkeypat
         assert base().f(1) == ("fix", "policy_second", ("vllm", 1, 0))
         assert len(warned) == 1 and "no_such_fix" in warned[0] and "policy_first, policy_second" in warned[0]
         line = record.summary_line(record.current(), ["policy_first", "policy_second"])
-        assert "; left out: policy_first;" in line, line
+        assert "; left out: #1;" in line, line
         assert record.parse_summary(line, ["policy_first", "policy_second"])[0]["left_out"] == ["policy_first"]
     finally:
         _base.revert_fix("policy_second")

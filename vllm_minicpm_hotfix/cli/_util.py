@@ -91,7 +91,7 @@ def use_rich(stream=None) -> bool:
 
 #: Result words and the colour rich gives them.
 STYLES = {"OK": "green", "PASS": "bold green", "FAIL": "bold red", "MISMATCH": "bold red", "WARN": "yellow",
-          "absent": "dim", "no": "dim"}
+          "absent": "dim", "no": "dim", "PATCHED": "green", "ERROR": "bold red"}
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, title: str | None = None,

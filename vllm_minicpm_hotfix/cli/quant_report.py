@@ -2,15 +2,13 @@
 linear layer, how the checkpoint stores it (:mod:`vllm_minicpm_hotfix.quant_layout`, from the safetensors headers)
 and the quant method vLLM's own quant config gives it, stock and with the ``quantized_vision`` fix's decision.
 
-Importing this module imports neither vLLM nor torch; :func:`report` does. ``python -m
-vllm_minicpm_hotfix.cli.quant_report DIR`` prints :func:`report` as JSON (``doctor --model`` runs it, with the stop
-tokens, in a fresh vLLM process: :mod:`vllm_minicpm_hotfix.cli.model_report`).
+Importing this module imports neither vLLM nor torch; :func:`report` does. ``doctor --model`` runs it, with the stop
+tokens, in a fresh vLLM process (:mod:`vllm_minicpm_hotfix.cli.model_report`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -178,15 +176,3 @@ def as_json(rep: dict[str, Any]) -> dict[str, Any]:
             rep[key] = [dataclasses.asdict(r) | {"agrees": r.agrees} for r in rep[key]]
     return rep
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m vllm_minicpm_hotfix.cli.quant_report DIR``: :func:`report` as JSON."""
-    import sys
-
-    args = sys.argv[1:] if argv is None else argv
-    print(json.dumps(as_json(report(args[0]))))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

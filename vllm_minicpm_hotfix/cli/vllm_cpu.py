@@ -1,4 +1,6 @@
-"""Build a real vLLM ``MiniCPMV4_6ForConditionalGeneration`` on CPU and load a checkpoint into it.
+"""Build a real vLLM ``MiniCPMV4_6ForConditionalGeneration`` on CPU and load a checkpoint into it: ``verify``'s
+model construction (:func:`construct_model`), and the builder the demo, benchmarks/ and tests/ (through
+tests/support/vllm_build.py, which adds what only tests use) import from here.
 
 The recipe is the measured one in shared/notes/vllm-on-cpu.md ("How the model was built and loaded"), the same
 ``model.load_weights(iter over (name, tensor))`` call vLLM's DefaultModelLoader makes.  The API used here is the same
@@ -22,13 +24,11 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checkpoint import iter_tensors, weight_files
+from ..checkpoint import iter_tensors
 
 _DTYPES = {
     "float32": torch.float32,
@@ -71,30 +71,15 @@ def ensure_distributed(backend: str = "gloo") -> None:
     _distributed_ready = True
 
 
-def checkpoint_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
-    """The checkpoint's safetensors files, in vLLM's load order (:func:`vllm_minicpm_hotfix.checkpoint.weight_files`).
-
-    Raises:
-        vllm_minicpm_hotfix.checkpoint.CheckpointError: no safetensors file, an unreadable index, a missing shard.
-    """
-    return weight_files(checkpoint_dir)[0]
-
-
-def iter_checkpoint(checkpoint_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, CPU tensor)`` over every safetensors file, a fresh tensor on each call (vLLM may tag them):
-    :func:`vllm_minicpm_hotfix.checkpoint.iter_tensors`."""
-    return iter_tensors(checkpoint_dir)
-
-
 def checkpoint_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint folder by name, on the CPU in the file's dtype (handles
     ``model.safetensors.index.json`` shards).
 
     Raises:
-        ValueError: a tensor name in two shards (and what :func:`iter_checkpoint` raises).
+        ValueError: a tensor name in two shards (and what :func:`vllm_minicpm_hotfix.checkpoint.iter_tensors` raises).
     """
     out: dict[str, torch.Tensor] = {}
-    for name, t in iter_checkpoint(checkpoint_dir):
+    for name, t in iter_tensors(checkpoint_dir):
         if name in out:
             raise ValueError(f"tensor {name} appears in more than one shard of {checkpoint_dir}")
         out[name] = t
@@ -170,7 +155,7 @@ def build_vllm_model(checkpoint_dir: str | os.PathLike, dtype: str = "float32", 
     model = construct_model(model_cls, vllm_config)
     if load:
         with set_current_vllm_config(vllm_config):
-            model.load_weights(iter_checkpoint(checkpoint_dir))
+            model.load_weights(iter_tensors(checkpoint_dir))
     model.vllm_config = vllm_config  # handy for callers that run a forward pass under set_current_vllm_config
     return model.eval()
 
@@ -180,17 +165,5 @@ def load_checkpoint(model, checkpoint_dir: str | os.PathLike):
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(model.vllm_config):
-        return model.load_weights(iter_checkpoint(checkpoint_dir))
+        return model.load_weights(iter_tensors(checkpoint_dir))
 
-
-def prepare_for_forward(model, part: str | None = None) -> None:
-    """What vLLM's DefaultModelLoader does after ``load_weights``: ``process_weights_after_loading`` (on CPU this
-    sets up the linear layers' kernels), so the model -- or only its submodule ``part``, e.g. ``"vit_merger"`` -- can
-    run a forward pass. Processing only a part avoids CPU kernels the part does not need (0.30's causal-conv1d weight
-    packing has no float32 kernel)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-    target = model.get_submodule(part) if part else model
-    with set_current_vllm_config(model.vllm_config):
-        process_weights_after_loading(target, model.vllm_config.model_config, torch.device("cpu"))

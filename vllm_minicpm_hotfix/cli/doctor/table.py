@@ -270,11 +270,15 @@ def _not_needed(reason: str) -> str:
 
 
 def render(report: dict[str, Any]) -> None:
-    """Print the report's table (``report["checks"]``), its verdict line (``report["summary"]``) and, where doctor
+    """Print the report's table (``report["checks"]``; a fix's row numbered as the summary WARNING line numbers it, ``#1
+    qkv_loader``), its verdict line (``report["summary"]``) and, where doctor
     read the fixes, the closing sentence (``report["removal"]["sentence"]``) as the last line."""
+    from ...fixes import names
+
+    number = {name: f"#{i} {name}" for i, name in enumerate(names(), 1)}  # the summary line's numbers
     print("vllm-minicpm-hotfix doctor")
-    print_table(["check", "status", "detail"], [(r["check"], r["status"], r["detail"]) for r in report["checks"]],
-                style_col=1)
+    print_table(["check", "status", "detail"],
+                [(number.get(r["check"], r["check"]), r["status"], r["detail"]) for r in report["checks"]], style_col=1)
     print_verdict(report["ok"], report["summary"])
     if report.get("removal"):
         print(report["removal"]["sentence"])

@@ -5,39 +5,12 @@ and compare bit for bit.
     vllm-minicpm-hotfix verify --model /models/MiniCPM-V-4.6
     vllm-minicpm-hotfix verify --model openbmb/MiniCPM-V-4.6     # a hub id, from the huggingface_hub cache
 
-What it does, in order:
-
-1. Checks the checkpoint without importing vLLM or torch: ``config.json`` names a family member
-   (:data:`~vllm_minicpm_hotfix.cli.verify.checkpoint.MEMBERS`: 4.6, 4.7, whose text tower, dense or MoE, is
-   printed, or MiniCPM-OCR; both keep 4.6's window merger), the safetensors files
-   (one file or sharded through ``model.safetensors.index.json``) are complete and hold the window-merger attention
-   tensors ``...vit_merger.self_attn.{q,k,v,out}_proj.{weight,bias}`` with the shapes the config implies. Any problem
-   is *bad input*: one line, exit 2.
-2. Starts vLLM the way its own processes do -- ``vllm.plugins.load_general_plugins()``, then the import of
-   ``vllm.model_executor.models.minicpmv4_6`` -- with the hotfix exactly as this environment has it: ``verify`` never
-   installs the hook itself. If no activation path fired it says "hotfix not active" and carries on (that is what
-   ``vllm serve`` would get here).
-3. Builds the model class vLLM resolves for the checkpoint (``get_model_architecture``) on the chosen device and feeds
-   the checkpoint, streamed tensor by tensor from the safetensors files (``safetensors.safe_open``, as vLLM's own
-   ``safetensors_weights_iterator`` reads them; a progress bar on a terminal), to the model's own top-level
-   ``load_weights`` -- the call vLLM's ``DefaultModelLoader`` makes. By default the language model is left out with
-   vLLM's own ``mm_encoder_only`` switch: vLLM builds it on the ``meta`` device (no memory) behind a
-   ``StageMissingLayer`` that its ``AutoWeightsLoader`` skips, and its tensors are not even read from disk. The vision
-   tensors take exactly the path they take in ``vllm serve``: the same top-level ``load_weights``, the same
-   ``hf_to_vllm_mapper``, the same ``AutoWeightsLoader`` descent into ``vit_merger.self_attn``. ``--full-model``
-   builds and loads everything instead.
-4. Says where vLLM stops a chat answer for this checkpoint (:mod:`vllm_minicpm_hotfix.cli.stop_tokens`): the stop
-   token ids vLLM derives from the checkpoint's ``generation_config.json`` and tokenizer, against the token its
-   chat template ends an assistant's turn with -- ``OK``, ``WARN`` naming the missing id and the ``stop_token_ids``
-   to pass, or "cannot tell". A WARN does not change the exit status (the weights load correctly; the fix is a
-   request parameter).
-5. Compares vLLM's fused ``vit_merger.self_attn.qkv_proj.{weight,bias}`` with ``cat(q, k, v)`` of the checkpoint and
-   ``out_proj`` with the checkpoint's ``out_proj`` (the reference tensors are read separately; they are small), after
-   the dtype cast vLLM itself applies on copy. A mismatch names the checkpoint tensor whose rows differ.
-
-Exit status: 0 every tensor matches; 1 a tensor differs, vLLM's own load raised (the error on one line), or vLLM is
-unusable here; 2 bad input (not a 4.6 checkpoint, missing or truncated files, wrong shapes, hub id not cached while
-offline). No traceback unless ``--debug``.
+In order: the checkpoint is checked without vLLM or torch (bad input: one line, exit 2); vLLM starts as its processes
+start, with the hotfix as this environment activates it (``verify`` never installs the hook); where vLLM stops a chat
+answer (:mod:`vllm_minicpm_hotfix.cli.stop_tokens`); the model vLLM resolves is built (the language model left out
+through vLLM's ``mm_encoder_only`` unless ``--full-model``) and fed the streamed checkpoint through its own top-level
+``load_weights``; ``vit_merger``'s fused ``qkv_proj`` and ``out_proj`` are compared with the checkpoint's tensors
+(exit 1 on a mismatch or on vLLM's own error). The reference is docs/cli.md's ``verify`` section.
 
 Where it lives: what it gathers in :mod:`vllm_minicpm_hotfix.cli.verify.checkpoint` (the checkpoint) and
 :mod:`vllm_minicpm_hotfix.cli.verify.build` (vLLM, the model, the load), what it concludes in
@@ -88,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                    "default), 'auto' (what `vllm serve` picks), float32, bfloat16, float16")
     p.add_argument("--full-model", action="store_true",
                    help="build and load the language model too (default: left out through vLLM's mm_encoder_only)")
+    p.add_argument("--fixes", action="store_true", help="a table of every fix: patched or not, and why")
     p.add_argument("--debug", action="store_true", help="tracebacks and vLLM's own INFO logging")
     return p
 
@@ -138,8 +112,8 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     t = time.perf_counter()
     module, version = start_vllm_like_its_processes(args.device)
     times["import vLLM"] = time.perf_counter() - t
-    active, hotfix_line, _status = hotfix_state()
-    render.hotfix(hotfix_line)
+    active, hotfix_line, fix_rows = hotfix_state()
+    render.hotfix(hotfix_line, fix_rows if args.fixes else None)
     t = time.perf_counter()
     render.stop_ids(stop_tokens.report(ckpt.path))
     times["stop ids"] = time.perf_counter() - t

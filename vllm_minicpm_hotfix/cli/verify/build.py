@@ -3,7 +3,7 @@ it, and the model vLLM resolves for the checkpoint, built and loaded through vLL
 
 * :func:`start_vllm_like_its_processes` -- ``import vllm``, ``vllm.plugins.load_general_plugins()`` (as EngineCore and
   the workers do), the import of the model module. ``verify`` never installs the hook itself.
-* :func:`hotfix_state` -- what the hotfix did in this process, per fix of the registry.
+* :func:`hotfix_state` -- what the hotfix did in this process: a count, and a row per fix of the registry.
 * :func:`build_model` -- the model class vLLM resolves (``get_model_architecture``) built on the device, by default
   with the language model left out through vLLM's ``mm_encoder_only``; :func:`language_model_filter` -- which
   checkpoint tensors that model takes (decided with the model's own ``hf_to_vllm_mapper``).
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._util import exc_line, vllm_distributions
+from .._util import exc_line, one_line, vllm_distributions
 from ...fixes import REGISTRY
 from ...hook import TARGET_MODULE
 from .checkpoint import ARCHITECTURE, Checkpoint
@@ -59,32 +59,39 @@ def start_vllm_like_its_processes(device: str) -> tuple[Any, str]:
     return module, version
 
 
-def hotfix_state() -> tuple[bool, str, dict]:
-    """``(active, one-line description, status())`` of the hotfix in *this* process."""
+def hotfix_state() -> tuple[bool, str, list[tuple[str, str, str]]]:
+    """``(active, one line, rows)`` of the hotfix in *this* process: the line counts (``patched 11 of 18 fixes``) and
+    names only a fix that failed in the hook; ``rows`` is one ``(fix, result, why)`` per fix of the registry, for
+    ``--fixes``."""
     import vllm_minicpm_hotfix
 
     st = vllm_minicpm_hotfix.status()
     if not st.get("hook_installed"):
         return False, (
             "not active (no activation path fired in this process; `vllm-minicpm-hotfix doctor` says why)"
-        ), st
+        ), []
     boot = sys.modules.get("vllm_minicpm_hotfix._bootstrap")
     by = ", ".join(dict.fromkeys(getattr(boot, "activations", None) or [])) or "an explicit install()"
-    parts = []
     recorded = st.get("fixes", {})
+    rows = []
     for name in [f.NAME for f in REGISTRY] + sorted(set(recorded) - {f.NAME for f in REGISTRY}):
         fix = recorded.get(name)
         if fix is None:
             continue
         if fix.get("error"):
-            parts.append(f"{name}: hook ERROR ({fix['error']})")
+            rows.append((name, "ERROR", one_line(fix["error"], 160)))
         elif fix.get("applied"):
-            parts.append(f"{name}: PATCHED (verdict {fix.get('verdict')})")
+            rows.append((name, "PATCHED", f"verdict {fix.get('verdict')}"))
         else:
-            parts.append(f"{name}: not applied ({fix.get('why')})")
+            rows.append((name, "not applied", one_line(fix.get("why"), 160)))
+    patched = sum(r[1] == "PATCHED" for r in rows)
+    line = f"active (mode {st.get('mode')}, activated by {by}): patched {patched} of {len(rows)} fixes"
+    failed = [r[0] for r in rows if r[1] == "ERROR"]
+    if failed:
+        line += f"; hook ERROR in {', '.join(failed)}"
     if not st.get("module_imported"):
-        parts.append("the hook did not see the model module")
-    return True, f"active (mode {st.get('mode')}, activated by {by}): " + "; ".join(parts), st
+        line += "; the hook did not see the model module"
+    return True, line + " (--fixes: each with its reason)", rows
 
 
 @dataclasses.dataclass

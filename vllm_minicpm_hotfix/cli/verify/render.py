@@ -30,8 +30,12 @@ def header(ckpt: Checkpoint, *, device: str, dtype: str, stored: str | None) -> 
     _line("vLLM", f"{vllm}; device {device}; dtype {dtype}" + (f" (stored {stored})" if stored else ""))
 
 
-def hotfix(line: str) -> None:
+def hotfix(line: str, rows: list[tuple[str, str, str]] | None = None) -> None:
+    """The hotfix's one line; with ``rows`` (``--fixes``), a table of every fix under it."""
     _line("hotfix", line)
+    if rows:
+        print_table(["fix", "result", "why"], rows, style_col=1)
+        sys.stdout.flush()
 
 
 def stop_ids(report: dict) -> None:
