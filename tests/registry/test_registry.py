@@ -256,6 +256,23 @@ def test_a_fix_reverted_while_its_group_waits_is_never_applied(m46, environment,
         _base.revert(m46)
 
 
+def _bind_or_error(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except TypeError:
+        return TypeError
+
+
+#: The vLLM methods whose arguments the wrappers read by name through ``_base.arguments`` (module, class, method).
+BOUND_METHODS = (
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "apply"),
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_merge_mm_kwargs"),
+    ("vllm.model_executor.models.minicpmv", "MiniCPMVMultiModalProcessor", "process_mm_inputs"),
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_get_mm_prompt_updates"),
+    ("vllm.model_executor.models.minicpmv4_6", "MiniCPMV4_6ProcessingInfo", "get_slice_image_placeholder"),
+)
+
+
 def test_weak_memo_keeps_an_entry_only_for_the_same_live_objects():
     """_base.WeakMemo (the request path's memos): a hit needs the very objects the entry was kept with, alive; an
     object that cannot be weakly referenced is not kept; the memo is cleared when it holds ``limit`` entries."""
@@ -281,3 +298,32 @@ def test_weak_memo_keeps_an_entry_only_for_the_same_live_objects():
     memo.put(("x",), (), 1)  # two entries held now (limit 2): the next put clears them first
     memo.put(("y",), (), 2)
     assert memo.get(("x",)) is None and memo.get(("y",)) == 2
+
+
+@pytest.mark.parametrize("where", BOUND_METHODS, ids=lambda w: f"{w[1]}.{w[2]}")
+def test_arguments_bind_as_inspect_does(m46, where):
+    """``_base.arguments`` (the wrappers' access by name, a zip for plain signatures) against
+    ``inspect.Signature.bind`` on the installed vLLM's own methods: the same arguments by name for every call shape
+    (all positional, all by keyword, mixed; the instance apart, as wrapt passes it, or not), and TypeError exactly
+    where inspect raises."""
+    import importlib
+    import inspect
+
+    mod_name, cls_name, attr = where
+    original = getattr(getattr(importlib.import_module(mod_name), cls_name), attr)
+    original = getattr(original, "__wrapped__", original)
+    sig = inspect.signature(original)
+    names = list(sig.parameters)
+    assert len(names) >= 2, sig
+    values = [object() for _ in names]
+    calls = [(values, {}), ([], dict(zip(names, values))), (values[:1], dict(zip(names[1:], values[1:]))),
+             (values[:-1], {}), (values + [object()], {}), (values, {names[-1]: values[-1]}),
+             (values[:1], {"no_such_argument": 1, **dict(zip(names[1:], values[1:]))})]
+    thin = _base.Signature.of(original)
+    for args, kwargs in calls:
+        want = _bind_or_error(lambda *a, **k: dict(sig.bind(*a, **k).arguments), *args, **kwargs)
+        assert _bind_or_error(lambda *a, **k: _base.arguments(thin, None, a, k), *args, **kwargs) == want, \
+            (attr, len(args), sorted(kwargs))
+        if args:
+            assert _bind_or_error(lambda *a, **k: _base.arguments(thin, a[0], a[1:], k), *args, **kwargs) == want, \
+                (attr, "instance apart", len(args), sorted(kwargs))

@@ -48,12 +48,12 @@ from .deferred import PROCESSOR_PATH
 from .memo import WeakMemo
 from .running import run
 from .wrappers import (
-    BEHAVIOUR_ATTR, EVERY_CALL, SELF, Call, Patch, Refusal, arguments, attribute, replace, wrap,
+    BEHAVIOUR_ATTR, EVERY_CALL, SELF, Call, Patch, Refusal, Signature, arguments, attribute, replace, wrap,
 )
 
 __all__ = [
     "ATTN_CLASS", "BEHAVIOUR_ATTR", "Call", "DEFAULT_MODELS", "EVERY_CALL", "FAMILY", "INFO_CLASS",
-    "MARKER_ATTR", "MODEL_CLASS", "OnImport", "PROCESSOR_PATH", "PROCESSOR_CLASS", "Patch", "Refusal", "SELF", "V46", "V47",
+    "MARKER_ATTR", "MODEL_CLASS", "OnImport", "PROCESSOR_PATH", "PROCESSOR_CLASS", "Patch", "Refusal", "SELF", "Signature", "V46", "V47",
     "V47_MODEL_CLASS", "V47_MODULE", "VOCR", "WeakMemo", "apply_patches", "arguments", "attribute", "base_named", "class_name", "complete", "covers", "decide_and_apply", "deferred", "has_set",
     "imported_member", "initialising", "is_patched", "mark_complete", "member_modules", "member_reason", "member_view",
     "model_of", "models_of", "note_unknown", "on_import", "patched_by", "replace", "resolve", "revert", "revert_fix",

@@ -23,7 +23,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from types import MethodType, ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from ... import metrics
 from .family import _ACTIVE, covers, model_of
@@ -55,11 +55,35 @@ class Refusal(ValueError):
         self.response = response
 
 
-def arguments(signature: inspect.Signature, instance: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+class Signature(NamedTuple):
+    """``inspect.signature`` of a wrapped function, with what :func:`arguments` reads of it computed once."""
+
+    signature: inspect.Signature
+    positional: tuple[str, ...] | None  # every parameter plain or keyword-only: the positional ones; else None
+    required: frozenset[str]
+
+    @classmethod
+    def of(cls, function: Callable[..., Any]) -> Signature:
+        sig = inspect.signature(function)
+        params = sig.parameters.values()
+        plain = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+        return cls(sig, tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD) if plain else None,
+                   frozenset(p.name for p in params if p.default is p.empty))
+
+
+def arguments(sig: Signature, instance: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The arguments of one call by parameter name (the instance's parameter included where there is an instance,
-    defaults not filled in), as ``signature.bind(...).arguments`` gives them; raises its ``TypeError``."""
-    return dict(signature.bind(*args, **kwargs).arguments if instance is None
-                else signature.bind(instance, *args, **kwargs).arguments)
+    defaults not filled in), as ``inspect.Signature.bind(...).arguments`` gives them, and its ``TypeError``: for a
+    signature of plain and keyword-only parameters (every vLLM method the fixes wrap) by a zip, else by ``bind``."""
+    full = args if instance is None else (instance, *args)
+    names = sig.positional
+    if names is not None and len(full) <= len(names):
+        out = dict(zip(names, full))
+        if not kwargs or (out.keys().isdisjoint(kwargs) and kwargs.keys() <= sig.signature.parameters.keys()):
+            out.update(kwargs)
+            if sig.required <= out.keys():
+                return out
+    return dict(sig.signature.bind(*full, **kwargs).arguments)
 
 
 class Call(dict):
@@ -112,7 +136,7 @@ class Patch:
         method = isinstance(owner, type) and not isinstance(original, staticmethod)
         acts = _policy(fix, self.model, method)
         wrapped = original if _wrappable(original) else _absent(self.behaviour)
-        signature = inspect.signature(getattr(wrapped, "__func__", wrapped)) if self.bind else None
+        signature = Signature.of(getattr(wrapped, "__func__", wrapped)) if self.bind else None
         unbound = method and not isinstance(original, classmethod)  # called from the class __dict__: self first
         built = wrapper_type()(wrapped, _wrapper(fix.NAME, self.kind, self.behaviour, acts, signature, unbound,
                                                  _is_coroutine(wrapped) or _is_coroutine(self.behaviour)))
@@ -231,7 +255,7 @@ def wrapper_type() -> type:
                                                        "__module__": __name__})
 
 
-def _wrapper(name: str, kind: str, behaviour: Any, acts: Any, signature: inspect.Signature | None, unbound: bool,
+def _wrapper(name: str, kind: str, behaviour: Any, acts: Any, signature: Signature | None, unbound: bool,
              coroutine: bool) -> Callable[..., Any]:
     """The one wrapt wrapper of a built value (for a method, the value taken from the class ``__dict__`` and called
     with ``self`` first is bound to it here, as the plain function would be): the class policy first (``acts``; under :class:`ByClass` the decision
@@ -263,7 +287,7 @@ def _wrapper(name: str, kind: str, behaviour: Any, acts: Any, signature: inspect
                 call = Call(arguments(signature, instance, args, kwargs))
             except TypeError:
                 return wrapped(*args, **kwargs)
-            call.args, call.kwargs, call._signature = args, kwargs, signature
+            call.args, call.kwargs, call._signature = args, kwargs, signature.signature
             return behaviour(wrapped, instance, call)
         except Refusal as exc:
             return _counted(name, exc)
