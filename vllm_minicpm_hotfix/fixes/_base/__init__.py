@@ -15,8 +15,8 @@ The parts, each read on its own:
   (:func:`~.family.covers`): declared members act, a subclass no member owns is reported once and handed to vLLM's
   code, an undeclared member's class is left to vLLM's code.
 * :mod:`.wrappers` -- the three kinds of ``PATCHES`` line (:func:`~.wrappers.wrap`, :func:`~.wrappers.replace`,
-  :func:`~.wrappers.attribute`) and the function built from each: the class policy, the argument binding (once per
-  target), ``functools.update_wrapper``.
+  :func:`~.wrappers.attribute`) and the value built from each: wrapt's ``FunctionWrapper`` with one wrapper
+  function (the class policy, the arguments by name, refusals).
 * :mod:`.patching` -- a fix's table set as one transaction (:func:`~.patching.apply_patches`), marked and recorded;
   targets set when vLLM imports their module (:func:`~.patching.on_import`); chains of two fixes on one attribute;
   revert.
