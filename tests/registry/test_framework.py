@@ -7,7 +7,7 @@
   the backports' cards likewise, with *What is missing* and *What the backport does*).
 * **Order is data**: ``REGISTRY`` lists each fix after every fix its ``AFTER`` names.
 * **A fix holds only its behaviour**: no fix module calls the class policy (``covers``, ``note_unknown``,
-  ``acts_for``), binds arguments (``binder``), builds its own wrapper (``functools.wraps`` / ``update_wrapper``) or
+  ``acts_for``), binds arguments (``binder``, ``signature``), builds its own wrapper (``functools.wraps`` / ``update_wrapper``) or
   sets a mark (``__wrapped__``, ``__vllm_minicpm_hotfix__``, ``__vllm_minicpm_hotfix_original__``), and none spells a
   vLLM class name the family module names -- read from each module's syntax tree.
 * **The policy is the framework's**: on stand-in classes of the family's modules, a behaviour runs for a declared
@@ -187,6 +187,49 @@ def test_a_behaviour_runs_only_for_the_declared_classes(monkeypatch):
         _base.revert_fix(fix.NAME)
         _base.family._REPORTED.clear()
     assert base().f(1) == ("vllm", 1, 0)
+
+
+def test_a_classmethod_and_a_staticmethod_target_bind_as_vllms_do():
+    """A target is looked up as wrapt looks it up (the class ``__dict__`` along the MRO: the ``classmethod`` /
+    ``staticmethod`` object, here inherited from the base) and wrapped by wrapt's ``FunctionWrapper``: called on the
+    class and on an instance, the behaviour sees the class (classmethod) or no instance (staticmethod) and the
+    arguments after it, by name too, and vLLM's own result; the base class keeps its own; revert restores both. A
+    staticmethod has no instance to decide by: ``model=SELF`` is refused before anything is set."""
+    base = type("StandIn46", (), {"__module__": M46, "make": classmethod(lambda cls, x, y=0: (cls.__name__, x, y)),
+                                  "norm": staticmethod(lambda x, y=0: ("static", x, y))})
+    sub = type("StandIn47", (base,), {"__module__": M47})
+    module = types.ModuleType("policy_stand_in")
+    module.StandIn46, module.StandIn47 = base, sub
+    seen = []
+
+    def by_name(wrapped, instance, call):
+        seen.append((instance, dict(call), call.args, call.kwargs))
+        return "fix", wrapped(*call.args, **call.kwargs)
+
+    def plain(wrapped, instance, args, kwargs):
+        seen.append((instance, args, kwargs))
+        return "fix", wrapped(*args, **kwargs)
+
+    fix = _base.complete(_fix((_base.V46,), {"StandIn47.make": _base.wrap(by_name, bind=True, model=_base.EVERY_CALL),
+                                             "StandIn47.norm": _base.wrap(plain, model=_base.EVERY_CALL)}))
+    fix.apply(module)
+    try:
+        assert sub.make(1, y=2) == ("fix", ("StandIn47", 1, 2)) and sub().make(3) == ("fix", ("StandIn47", 3, 0))
+        assert seen == [(sub, {"cls": sub, "x": 1, "y": 2}, (1,), {"y": 2}), (sub, {"cls": sub, "x": 3}, (3,), {})]
+        seen.clear()
+        assert sub.norm(4) == ("fix", ("static", 4, 0)) and sub().norm(5, y=1) == ("fix", ("static", 5, 1))
+        assert seen == [(None, (4,), {}), (None, (5,), {"y": 1})]
+        assert base.make(1) == ("StandIn46", 1, 0) and base().norm(2) == ("static", 2, 0)  # the base keeps its own
+        assert getattr(vars(sub)["make"], _base.MARKER_ATTR) == fix.NAME
+        assert getattr(vars(base)["make"], _base.MARKER_ATTR, None) is None  # the mark is the wrapper's own
+        assert _base.patched_by(sub, "norm") == fix.NAME and _base.patched_by(base, "norm") is None
+    finally:
+        _base.revert_fix(fix.NAME)
+    assert "make" not in vars(sub) and "norm" not in vars(sub) and sub.make(1) == ("StandIn47", 1, 0)
+    refused = _base.complete(_fix((_base.V46,), {"StandIn47.norm": _base.wrap(plain)}))
+    with pytest.raises(TypeError, match="no instance"):
+        refused.apply(module)
+    assert "norm" not in vars(sub) and not _base.has_set(refused.NAME)
 
 
 def test_a_revert_for_one_model_module_undoes_what_the_fix_set_in_another_module_too(monkeypatch):

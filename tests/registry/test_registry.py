@@ -263,7 +263,7 @@ def _bind_or_error(fn, *args, **kwargs):
         return TypeError
 
 
-#: The vLLM methods whose arguments the wrappers read through ``_base.binder`` (module, class, method).
+#: The vLLM methods whose arguments the wrappers read by name through ``_base.arguments`` (module, class, method).
 BOUND_METHODS = (
     ("vllm.multimodal.processing", "BaseMultiModalProcessor", "apply"),
     ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_merge_mm_kwargs"),
@@ -301,9 +301,11 @@ def test_weak_memo_keeps_an_entry_only_for_the_same_live_objects():
 
 
 @pytest.mark.parametrize("where", BOUND_METHODS, ids=lambda w: f"{w[1]}.{w[2]}")
-def test_binder_binds_as_inspect_does(m46, where):
-    """``_base.binder`` against ``inspect.Signature.bind`` on the installed vLLM's own methods: the same arguments by
-    name for every call shape (all positional, all by keyword, mixed), and TypeError exactly where inspect raises."""
+def test_arguments_bind_as_inspect_does(m46, where):
+    """``_base.arguments`` (the wrappers' access by name, a zip for plain signatures) against
+    ``inspect.Signature.bind`` on the installed vLLM's own methods: the same arguments by name for every call shape
+    (all positional, all by keyword, mixed; the instance apart, as wrapt passes it, or not), and TypeError exactly
+    where inspect raises."""
     import importlib
     import inspect
 
@@ -317,7 +319,11 @@ def test_binder_binds_as_inspect_does(m46, where):
     calls = [(values, {}), ([], dict(zip(names, values))), (values[:1], dict(zip(names[1:], values[1:]))),
              (values[:-1], {}), (values + [object()], {}), (values, {names[-1]: values[-1]}),
              (values[:1], {"no_such_argument": 1, **dict(zip(names[1:], values[1:]))})]
-    fast = _base.binder(original)
+    thin = _base.Signature.of(original)
     for args, kwargs in calls:
         want = _bind_or_error(lambda *a, **k: dict(sig.bind(*a, **k).arguments), *args, **kwargs)
-        assert _bind_or_error(fast, *args, **kwargs) == want, (attr, len(args), sorted(kwargs))
+        assert _bind_or_error(lambda *a, **k: _base.arguments(thin, None, a, k), *args, **kwargs) == want, \
+            (attr, len(args), sorted(kwargs))
+        if args:
+            assert _bind_or_error(lambda *a, **k: _base.arguments(thin, a[0], a[1:], k), *args, **kwargs) == want, \
+                (attr, "instance apart", len(args), sorted(kwargs))

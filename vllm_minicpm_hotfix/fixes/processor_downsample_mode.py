@@ -133,7 +133,8 @@ def compute_visual_tokens(wrapped: Any, instance: Any, call: Call) -> Any:
 
     mode = _resolve_mode(instance, call.get(PARAM))
     args, kwargs = call.replaced(**({PARAM: mode} if PARAM in call.parameters else {}))
-    return wrapped.__func__(ModeInfoView(instance, mode), *args[1:], **kwargs)
+    function = getattr(wrapped, "__func__", None) or wrapped.__wrapped__  # bound to the instance, or called on the class
+    return function(ModeInfoView(instance, mode), *args[1:], **kwargs)
 
 
 #: vLLM 0.33's own MiniCPM-OCR processing info, which overrides the method with a body of its own that omits the mode

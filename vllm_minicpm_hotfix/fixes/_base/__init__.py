@@ -15,8 +15,8 @@ The parts, each read on its own:
   (:func:`~.family.covers`): declared members act, a subclass no member owns is reported once and handed to vLLM's
   code, an undeclared member's class is left to vLLM's code.
 * :mod:`.wrappers` -- the three kinds of ``PATCHES`` line (:func:`~.wrappers.wrap`, :func:`~.wrappers.replace`,
-  :func:`~.wrappers.attribute`) and the function built from each: the class policy, the argument binding (once per
-  target), ``functools.update_wrapper``.
+  :func:`~.wrappers.attribute`) and the value built from each: wrapt's ``FunctionWrapper`` with one wrapper
+  function (the class policy, the arguments by name, refusals).
 * :mod:`.patching` -- a fix's table set as one transaction (:func:`~.patching.apply_patches`), marked and recorded;
   targets set when vLLM imports their module (:func:`~.patching.on_import`); chains of two fixes on one attribute;
   revert.
@@ -48,13 +48,13 @@ from .deferred import PROCESSOR_PATH
 from .memo import WeakMemo
 from .running import run
 from .wrappers import (
-    BEHAVIOUR_ATTR, EVERY_CALL, SELF, Binding, Call, Patch, Refusal, attribute, binder, replace, wrap,
+    BEHAVIOUR_ATTR, EVERY_CALL, SELF, Call, Patch, Refusal, Signature, arguments, attribute, replace, wrap,
 )
 
 __all__ = [
-    "ATTN_CLASS", "BEHAVIOUR_ATTR", "Binding", "Call", "DEFAULT_MODELS", "EVERY_CALL", "FAMILY", "INFO_CLASS",
-    "MARKER_ATTR", "MODEL_CLASS", "OnImport", "PROCESSOR_PATH", "PROCESSOR_CLASS", "Patch", "Refusal", "SELF", "V46", "V47",
-    "V47_MODEL_CLASS", "V47_MODULE", "VOCR", "WeakMemo", "apply_patches", "attribute", "base_named", "binder", "class_name", "complete", "covers", "decide_and_apply", "deferred", "has_set",
+    "ATTN_CLASS", "BEHAVIOUR_ATTR", "Call", "DEFAULT_MODELS", "EVERY_CALL", "FAMILY", "INFO_CLASS",
+    "MARKER_ATTR", "MODEL_CLASS", "OnImport", "PROCESSOR_PATH", "PROCESSOR_CLASS", "Patch", "Refusal", "SELF", "Signature", "V46", "V47",
+    "V47_MODEL_CLASS", "V47_MODULE", "VOCR", "WeakMemo", "apply_patches", "arguments", "attribute", "base_named", "class_name", "complete", "covers", "decide_and_apply", "deferred", "has_set",
     "imported_member", "initialising", "is_patched", "mark_complete", "member_modules", "member_reason", "member_view",
     "model_of", "models_of", "note_unknown", "on_import", "patched_by", "replace", "resolve", "revert", "revert_fix",
     "run", "set_attributes", "shared_targets", "unknown_subclasses", "wrap", "wraps_of",

@@ -132,10 +132,21 @@ def on_import(factory: Any, without: str = "vLLM's own code is used") -> OnImpor
     return OnImport(factory, without)
 
 
+def lookup(owner: Any, attr: str) -> Any:
+    """``owner.attr`` as wrapt's ``lookup_attribute`` finds it: for a class, the value in the ``__dict__`` of the first
+    class of its MRO that defines it (a ``classmethod`` or ``staticmethod`` object, not what it binds to); else
+    ``getattr``. None if absent."""
+    if isinstance(owner, type):
+        for cls in owner.__mro__:
+            if attr in vars(cls):
+                return vars(cls)[attr]
+    return getattr(owner, attr, None)
+
+
 def _value(fix: Any, factory: Any, owner: Any, attr: str) -> Any:
-    """What ``factory`` gives for ``owner.attr``: a :class:`Patch` built, a factory's result (built where it is a
-    Patch), or None (leave the target alone)."""
-    old = getattr(owner, attr, None)
+    """What ``factory`` gives for ``owner.attr`` (:func:`lookup`): a :class:`Patch` built, a factory's result (built
+    where it is a Patch), or None (leave the target alone)."""
+    old = lookup(owner, attr)
     new = factory if isinstance(factory, Patch) else factory(old, owner)
     return new.build(fix, old, owner, attr) if isinstance(new, Patch) else new
 

@@ -4,15 +4,16 @@ A fix writes only its behaviour. The three kinds of line:
 
 * ``wrap(behaviour)`` -- ``behaviour(wrapped, instance, args, kwargs)``, as a ``wrapt`` wrapper receives them
   (``wrapped`` bound to ``instance``; ``instance`` None for a module function); with ``bind=True``
-  ``behaviour(wrapped, instance, call)``, ``call`` a :class:`Call` (the arguments by parameter name, bound once per
-  target by :class:`Binding`);
+  ``behaviour(wrapped, instance, call)``, ``call`` a :class:`Call` (the arguments by parameter name, as
+  ``inspect.Signature.bind`` binds them);
 * ``replace(function)`` -- the fix's function in place of vLLM's;
 * ``attribute(value)`` -- a class data attribute.
 
-:meth:`Patch.build` makes the value that is set, and owns for every fix, once: the class policy (which instances a
-behaviour runs for: :func:`.family.covers`; any other call goes to vLLM's own code unchanged), the argument binding,
-``functools.update_wrapper`` (vLLM's name, docstring and ``__wrapped__``; an ``lru_cache``'s ``cache_info`` /
-``cache_clear``), and coroutine functions. The mark (``__vllm_minicpm_hotfix__``) is set by
+:meth:`Patch.build` makes the value that is set: wrapt's ``FunctionWrapper`` over vLLM's value as the class
+``__dict__`` holds it (so a method, ``classmethod`` or ``staticmethod`` binds as vLLM's does; vLLM's name, docstring,
+``__wrapped__`` and any attribute, such as an ``lru_cache``'s ``cache_info``, read through it), with one wrapper
+function that owns for every fix: the class policy (which instances a behaviour runs for: :func:`.family.covers`; any
+other call goes to vLLM's own code unchanged), the argument access by name, refusals, and coroutine functions. The mark (``__vllm_minicpm_hotfix__``) is set by
 :func:`.patching.set_attributes`. Nothing here imports vLLM, torch or transformers.
 """
 
@@ -22,7 +23,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from types import MethodType, ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from ... import metrics
 from .family import _ACTIVE, covers, model_of
@@ -32,8 +33,6 @@ SELF: Any = type("SELF", (), {"__repr__": lambda self: "SELF"})()
 #: ``model=EVERY_CALL``: the target belongs to no one model (a vLLM function every model calls, a class every member
 #: shares): the behaviour runs for every call.
 EVERY_CALL: Any = type("EVERY_CALL", (), {"__repr__": lambda self: "EVERY_CALL"})()
-#: Attributes of vLLM's value that stay reachable on the built function (``functools.lru_cache``'s).
-CARRIED = ("cache_info", "cache_clear")
 #: Attribute of a built function: the fix's behaviour it runs (what a trace of a request looks for).
 BEHAVIOUR_ATTR = "__vllm_minicpm_hotfix_behaviour__"
 
@@ -56,49 +55,35 @@ class Refusal(ValueError):
         self.response = response
 
 
-class Binding:
-    """The binding of calls of ``function``, computed once: :meth:`bind` gives the arguments passed, by parameter
-    name (defaults not filled in), as ``inspect.signature(function).bind(...).arguments`` gives them, and the same
-    ``TypeError`` where that raises. For a signature of plain and keyword-only parameters (every vLLM method the
-    fixes wrap) the binding is computed here once; any other signature is bound by ``inspect`` on each call."""
+class Signature(NamedTuple):
+    """``inspect.signature`` of a wrapped function, with what :func:`arguments` reads of it computed once."""
 
-    def __init__(self, function: Callable[..., Any]) -> None:
-        self.signature = sig = inspect.signature(function)
-        params = list(sig.parameters.values())
-        self.simple = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
-        self.positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
-        self.names = frozenset(sig.parameters)
-        self.required = frozenset(p.name for p in params if p.default is p.empty)
-        self.qualname = getattr(function, "__qualname__", repr(function))
-        # Only positional arguments, every required one passed and no more than there are: bound by a zip.
-        required_at = [i + 1 for i, name in enumerate(self.positional) if name in self.required]
-        self.fewest = max(required_at, default=0) if self.required <= set(self.positional) else None
+    signature: inspect.Signature
+    positional: tuple[str, ...] | None  # every parameter plain or keyword-only: the positional ones; else None
+    required: frozenset[str]
 
-    def bind(self, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.arguments(args, kwargs)
+    @classmethod
+    def of(cls, function: Callable[..., Any]) -> Signature:
+        sig = inspect.signature(function)
+        params = sig.parameters.values()
+        plain = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+        return cls(sig, tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD) if plain else None,
+                   frozenset(p.name for p in params if p.default is p.empty))
 
-    def arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """:meth:`bind` of ``args`` and ``kwargs`` as a wrapper received them (no repacking of the call)."""
-        if not self.simple:
-            return dict(self.signature.bind(*args, **kwargs).arguments)
-        if not kwargs and self.fewest is not None and self.fewest <= len(args) <= len(self.positional):
-            return dict(zip(self.positional, args))
-        if len(args) > len(self.positional):
-            raise TypeError(f"{self.qualname}: too many positional arguments")
-        out = dict(zip(self.positional, args))
-        if kwargs:
-            if not (kwargs.keys() <= self.names and out.keys().isdisjoint(kwargs)):
-                key = next(k for k in kwargs if k not in self.names or k in out)
-                raise TypeError(f"{self.qualname}: unexpected or repeated argument {key!r}")
+
+def arguments(sig: Signature, instance: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of one call by parameter name (the instance's parameter included where there is an instance,
+    defaults not filled in), as ``inspect.Signature.bind(...).arguments`` gives them, and its ``TypeError``: for a
+    signature of plain and keyword-only parameters (every vLLM method the fixes wrap) by a zip, else by ``bind``."""
+    full = args if instance is None else (instance, *args)
+    names = sig.positional
+    if names is not None and len(full) <= len(names):
+        out = dict(zip(names, full))
+        if not kwargs or (out.keys().isdisjoint(kwargs) and kwargs.keys() <= sig.signature.parameters.keys()):
             out.update(kwargs)
-        if not self.required <= out.keys():
-            raise TypeError(f"{self.qualname}: missing {sorted(self.required - out.keys())}")
-        return out
-
-
-def binder(function: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
-    """``Binding(function).bind``: the framework's binding, for the tests that pin it against ``inspect``."""
-    return Binding(function).bind
+            if sig.required <= out.keys():
+                return out
+    return dict(sig.signature.bind(*full, **kwargs).arguments)
 
 
 class Call(dict):
@@ -108,7 +93,7 @@ class Call(dict):
     changed, split as ``inspect.BoundArguments`` splits them. A dict, so that reading an argument is one C call on the
     request path."""
 
-    __slots__ = ("args", "kwargs", "_binding")
+    __slots__ = ("args", "kwargs", "_signature")
 
     @property
     def arguments(self) -> dict[str, Any]:
@@ -118,12 +103,12 @@ class Call(dict):
     @property
     def parameters(self) -> frozenset[str]:
         """Every parameter name of the wrapped function's signature."""
-        return self._binding.names
+        return frozenset(self._signature.parameters)
 
     def replaced(self, **changes: Any) -> tuple[tuple, dict]:
         """``(args, kwargs)`` of this call with ``changes`` (parameter -> value; the instance's parameter too), the
         instance's own argument included for a method (to call the plain function with)."""
-        bound = inspect.BoundArguments(self._binding.signature, {**self, **changes})
+        bound = inspect.BoundArguments(self._signature, {**self, **changes})
         return bound.args, bound.kwargs
 
 
@@ -141,26 +126,22 @@ class Patch:
         return f"<{self.kind} {getattr(self.behaviour, '__qualname__', self.behaviour)!r}>"
 
     def build(self, fix: ModuleType, original: Any, owner: Any, attr: str) -> Any:
-        """The value to set on ``owner.attr`` for ``fix``, over vLLM's ``original`` (None where there is none).
-        Raises ``AttributeError`` for a ``wrap`` with nothing to wrap."""
+        """The value to set on ``owner.attr`` for ``fix``, over vLLM's ``original`` as the class ``__dict__`` along
+        the MRO holds it (a function, ``classmethod`` or ``staticmethod``; None where there is none). Raises
+        ``AttributeError`` for a ``wrap`` with nothing to wrap."""
         if self.kind == "attribute":
             return ForMembers(fix, attr, self.behaviour, owner)
-        method = isinstance(owner, type)
-        if self.kind == "wrap" and not callable(original):
+        if self.kind == "wrap" and not _wrappable(original):
             raise AttributeError(f"{fix.NAME}: nothing to wrap at {getattr(owner, '__name__', owner)}.{attr}")
+        method = isinstance(owner, type) and not isinstance(original, staticmethod)
         acts = _policy(fix, self.model, method)
-        fn = _built(fix.NAME, self.kind, self.behaviour, original, acts, method,
-                    Binding(original) if self.bind else None)
-        if callable(original):
-            functools.update_wrapper(fn, original)
-            for name in CARRIED:
-                if hasattr(original, name):
-                    setattr(fn, name, getattr(original, name))
-        elif self.kind == "replace":
-            functools.update_wrapper(fn, self.behaviour)
-            del fn.__wrapped__
-        setattr(fn, BEHAVIOUR_ATTR, self.behaviour)
-        return fn
+        wrapped = original if _wrappable(original) else _absent(self.behaviour)
+        signature = Signature.of(getattr(wrapped, "__func__", wrapped)) if self.bind else None
+        unbound = method and not isinstance(original, classmethod)  # called from the class __dict__: self first
+        built = wrapper_type()(wrapped, _wrapper(fix.NAME, self.kind, self.behaviour, acts, signature, unbound,
+                                                 _is_coroutine(wrapped) or _is_coroutine(self.behaviour)))
+        setattr(built, BEHAVIOUR_ATTR, self.behaviour)
+        return built
 
 
 def wrap(behaviour: Callable[..., Any], *, bind: bool = False, model: Any = SELF) -> Patch:
@@ -236,80 +217,91 @@ def _counted(name: str, exc: Refusal) -> Any:
     raise exc
 
 
-def _built(name: str, kind: str, behaviour: Any, original: Any, acts: Any, method: bool,
-           binding: Binding | None) -> Any:
-    """The plain function that runs ``behaviour`` for the calls ``acts`` selects and ``original`` for the others
-    (counting a :class:`Refusal` for fix ``name``). For a method under :class:`ByClass`, the usual call (a decision
-    kept for the instance's class and, for a binding, a call shape bound before) takes one frame, with no call on its
-    way to the behaviour; every other call is decided and bound in full (:func:`function`)."""
-    decided, fix = (acts.decided, acts.fix) if isinstance(acts, ByClass) else (None, None)
-    # Call shapes (positional count, keyword names) that bound once: for plain parameters such a shape binds by a zip.
-    shapes: set[Any] = set()  # an int for a call without keywords
-    positional = binding.positional if binding is not None else ()
+def _wrappable(value: Any) -> bool:
+    return callable(value) or isinstance(value, (classmethod, staticmethod))
+
+
+def _is_coroutine(value: Any) -> bool:
+    return inspect.iscoroutinefunction(getattr(value, "__func__", value))
+
+
+def _absent(behaviour: Any) -> Any:
+    """What a ``replace`` wraps where vLLM defines nothing: the fix's function (called only for the calls the policy
+    selects; any other call raises ``AttributeError``)."""
+    if inspect.iscoroutinefunction(behaviour):
+        async def absent(*args: Any, **kwargs: Any) -> Any:
+            raise AttributeError(f"{behaviour.__qualname__}: vLLM defines no such attribute for this class")
+    else:
+        def absent(*args: Any, **kwargs: Any) -> Any:
+            raise AttributeError(f"{behaviour.__qualname__}: vLLM defines no such attribute for this class")
+    functools.update_wrapper(absent, behaviour)
+    del absent.__wrapped__
+    return absent
+
+
+@functools.cache
+def wrapper_type() -> type:
+    """What the framework sets for a ``wrap`` or ``replace``: a subclass of wrapt's ``FunctionWrapper`` (binding as
+    the wrapped descriptor binds: method, ``classmethod``, ``staticmethod``, module function) whose mark
+    (:data:`.patching.MARKER_ATTR`) and :data:`BEHAVIOUR_ATTR` are its own attributes, not the wrapped function's
+    (wrapt's proxy sets an attribute its class defines on itself). wrapt is imported here, at the first build: importing
+    the fixes needs none."""
+    from ..._wrapt import ensure_wrapt
+
+    ensure_wrapt()
+    import wrapt
+
+    return type("Wrapper", (wrapt.FunctionWrapper,), {"__vllm_minicpm_hotfix__": None, BEHAVIOUR_ATTR: None,
+                                                       "__module__": __name__})
+
+
+def _wrapper(name: str, kind: str, behaviour: Any, acts: Any, signature: Signature | None, unbound: bool,
+             coroutine: bool) -> Callable[..., Any]:
+    """The one wrapt wrapper of a built value (for a method, the value taken from the class ``__dict__`` and called
+    with ``self`` first is bound to it here, as the plain function would be): the class policy first (``acts``; under :class:`ByClass` the decision
+    kept for the instance's class is read inline), then ``behaviour`` for the calls it selects and vLLM's own
+    (``wrapped``) for the others; a :class:`Refusal` is counted for fix ``name``."""
+    by_class = acts if isinstance(acts, ByClass) else None
+    decided = by_class.decided if by_class is not None else None
+    fix = by_class.fix if by_class is not None else None
     replacing = kind == "replace"
 
-    def own(args: tuple, kwargs: dict) -> Any:
-        if original is None:
-            raise AttributeError(f"{behaviour.__qualname__}: vLLM defines no such attribute for this class")
-        return original(*args, **kwargs)
-
-    def function(*args: Any, **kwargs: Any) -> Any:
-        """Any call: decided by ``acts`` (which keeps a class's decision for :func:`kept`), bound in full."""
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if unbound and instance is None and args:
+            instance, args, wrapped = args[0], args[1:], MethodType(wrapped, args[0])
         try:
-            instance, rest = (args[0] if args else None, args[1:]) if method else (None, args)
-            if acts is not None and not acts(instance, rest, kwargs):
-                return own(args, kwargs)
-            if kind == "replace":
-                return behaviour(*args, **kwargs)
-            wrapped = MethodType(original, instance) if method else original
-            if binding is None:
-                return behaviour(wrapped, instance, rest, kwargs)
+            if acts is not None:
+                entry = decided.get(type(instance)) if decided is not None else None
+                if entry is not None and entry[0] is (_ACTIVE[name] if name in _ACTIVE
+                                                      else getattr(fix, "MODELS", None)):
+                    ok = entry[1]
+                else:
+                    ok = acts(instance, args, kwargs)
+                if not ok:
+                    return wrapped(*args, **kwargs)
+            if replacing:
+                return behaviour(*args, **kwargs) if instance is None else behaviour(instance, *args, **kwargs)
+            if signature is None:
+                return behaviour(wrapped, instance, args, kwargs)
             try:
-                call = Call(binding.arguments(args, kwargs))
+                call = Call(arguments(signature, instance, args, kwargs))
             except TypeError:
-                return own(args, kwargs)
-            if binding.simple and len(shapes) < 64:
-                shapes.add((len(args), *kwargs) if kwargs else len(args))  # the positional count alone: no tuple
-            call.args, call.kwargs, call._binding = rest, kwargs, binding
+                return wrapped(*args, **kwargs)
+            call.args, call.kwargs, call._signature = args, kwargs, signature.signature
             return behaviour(wrapped, instance, call)
         except Refusal as exc:
             return _counted(name, exc)
 
-    def kept(*args: Any, **kwargs: Any) -> Any:
-        """The usual call of a method: what :func:`function` does, from the decision kept for the instance's class
-        (read inline: ``ByClass.against()``'s members, no call) and, for a binding, a shape bound before (by a zip)."""
-        entry = decided.get(type(args[0])) if args else None
-        if entry is None or entry[0] is not (_ACTIVE[name] if name in _ACTIVE else getattr(fix, "MODELS", None)):
-            return function(*args, **kwargs)
-        if not entry[1]:
-            return own(args, kwargs)
+    if not coroutine:
+        return wrapper
+
+    async def async_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         try:
-            instance = args[0]
-            if binding is None:  # a replace, or a wrap without a binding
-                if replacing:
-                    return behaviour(*args, **kwargs)
-                return behaviour(MethodType(original, instance), instance, args[1:], kwargs)
-            if (len(args), *kwargs) not in shapes if kwargs else len(args) not in shapes:
-                return function(*args, **kwargs)
-            call = Call(zip(positional, args))
-            if kwargs:  # no empty dict made or merged where there are none
-                call.update(kwargs)
-            call.args, call.kwargs, call._binding = args[1:], kwargs, binding
-            return behaviour(MethodType(original, instance), instance, call)
+            return await wrapper(wrapped, instance, args, kwargs)
         except Refusal as exc:
             return _counted(name, exc)
 
-    entry_point = kept if method and decided is not None else function
-    if inspect.iscoroutinefunction(original) or inspect.iscoroutinefunction(behaviour):
-        async def coroutine(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return await entry_point(*args, **kwargs)
-            except Refusal as exc:
-                return _counted(name, exc)
-
-        return coroutine
-
-    return entry_point
+    return async_wrapper
 
 
 class ForMembers:
