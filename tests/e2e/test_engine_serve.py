@@ -26,26 +26,9 @@ processor, model and ``_merge_multimodal_embeddings`` (the call that kills Engin
 starts at all here (0.22-0.30 need the load fixes first), ``tests/e2e/test_engine_serve_stock.py`` runs one stock
 server: the engine dies on the request and the next request fails.
 
-* a refusal costs the client nothing but itself (:func:`test_refusals_keep_the_connection`, on
-  :data:`KEEPALIVE_RELEASES`): over ONE keep-alive connection (:class:`support.server.OneConnection`: ``httpx``, a
-  pool of one connection, no retries), five rounds of the hotfix's two refusals (``request_kwargs``'s: an image with
-  ``mm_processor_kwargs: {"max_slice_nums": 0}``; ``placeholder_guard``'s: the request above) and vLLM's own 400 for a
-  body its request model rejects (``max_tokens: "many"``, the control; not ``max_tokens: -1``, which 0.22.1 raises as
-  a ``VLLMValidationError`` it has no handler for, so stock's own refusal closes the connection too there), each
-  followed by a valid text request. Pass: every refusal a 400 in vLLM's own error shape naming the kwarg, value and
-  what is allowed (the guard's: the item and both counts), every valid request 200, 0 transport errors, 1 TCP
-  connection, no traceback in the log over the run. Without the hotfix's routing (``request_kwargs``' wrapper of
-  vLLM's ``build_app``) 0.22-0.24 answer a refusal through their catch-all ``Exception`` handler, which Starlette runs
-  in its ``ServerErrorMiddleware`` and then re-raises: ``Exception in ASGI application`` in the log and the
-  connection closed under the client (measured: 6, 4 and 4 of the 30 requests failed with ``ReadError`` on 0.22.1,
-  0.23.0 and 0.24.0, 11 connections, 10 tracebacks).
-
-Placed on one release per family (``RELEASES``; deselected elsewhere): one server per release, every check on it;
-the keep-alive check also on 0.23.0 (its own server there: the releases whose app has no handler of its own for a
-plain ``ValueError``). That 0.23.0 starts is shown by that server and by tests/prompt/test_prompt_engine.py's engine.
-:func:`test_refusal_answered_by_vllms_own_handler_in_its_real_app` shows the refusal routing on vLLM's real app
-without a server (its ``build_app`` and Starlette's ``TestClient``), stock and with the fix applied, also on 0.28.0,
-where the app has its own ``ValueError`` handler and the fix adds nothing.
+Placed on one release per family (``RELEASES``; deselected elsewhere): one server per release, every check on it.
+That 0.23.0 starts (it cannot stock) is shown by tests/prompt/test_prompt_engine.py's engine there, not by a
+fifth server here.
 """
 
 from __future__ import annotations
@@ -58,7 +41,7 @@ import openai
 import pytest
 from support.hotfix_log import patched_pids, summaries
 from support.venvs import clean_env
-from support.server import HEALTHY_WITHIN_S, OneConnection, chat, chat_body, chat_kwargs, dev_post, healthy, serving
+from support.server import HEALTHY_WITHIN_S, chat, chat_kwargs, dev_post, healthy, serving
 from vllm_minicpm_hotfix.fixes import names
 from support.serving import find_kill_request
 from support.serving import SERVE_ARGS, SERVER_EXTRA_ENV, WEIGHTS_LOADED, LEAVE_OUT, KILL_SIZE, image
@@ -68,17 +51,6 @@ RELEASES = {"0.22.1": "A", "0.24.0": "B", "0.28.0": "C", "0.32.0": "D"}
 pytestmark = pytest.mark.placed(*RELEASES)
 #: Where stock vLLM starts here, so one stock server can show the engine dying.
 STOCK_SERVER_RELEASES = ("0.32.0",)
-#: Where a refusal must keep the client's connection through the app's own handler: the releases whose app has no
-#: handler of its own for a plain ``ValueError`` (0.26+ register one); the app-level test adds one that has.
-KEEPALIVE_RELEASES = ("0.22.1", "0.23.0", "0.24.0")
-APP_RELEASES = (*KEEPALIVE_RELEASES, "0.28.0")
-#: Rounds of (refused, valid) pairs per kind of refusal.
-ROUNDS = 5
-CHAT = "/v1/chat/completions"
-#: What the server log must not show over the run: any traceback; uvicorn's line for an exception Starlette re-raised.
-TRACEBACK = "Traceback (most recent call last)"
-ASGI_ERROR = "Exception in ASGI application"
-GUARD_PHRASE = "placeholder tokens in the prompt"
 
 # --------------------------------------------------------------------------------------------------------------------
 # Fixtures
@@ -250,125 +222,3 @@ def test_refusals_leave_the_processor_cache(server):
     assert after.statuses == [500] and drift, (after.statuses, after.messages, server.log()[mark:][-6000:])
     again = send("same image after max_tokens 0")
     assert again.statuses == [200] and again.alive, (again.statuses, again.messages)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# A refusal costs the client nothing but itself
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def text_body(server, **extra) -> dict:
-    return {"model": server.model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4,
-            "temperature": 0, "ignore_eos": True, **extra}
-
-
-def message(payload) -> str:
-    return payload.get("error", {}).get("message", "") if isinstance(payload, dict) else str(payload)
-
-
-@pytest.mark.placed(*KEEPALIVE_RELEASES)
-def test_refusals_keep_the_connection(server, kill, release):
-    for fix in ("request_kwargs", "placeholder_guard"):
-        assert str(server.proc.pid) in patched_pids(server.log(), fix), (fix, server.log()[-6000:])
-    kill_kwargs, pads, rows = kill
-    refused = {
-        "request_kwargs": chat_body(server, image(64, 64), mm_processor_kwargs={"max_slice_nums": 0}),
-        "placeholder_guard": chat_body(server, image(*KILL_SIZE), mm_processor_kwargs=kill_kwargs),
-        "vLLM's own": text_body(server, max_tokens="many"),
-    }
-    conn = OneConnection(server)
-    log_from = len(server.log())
-    started = time.monotonic()
-    sent: list[tuple[str, int | str]] = []
-    try:
-        for _ in range(ROUNDS):
-            for kind, body in refused.items():
-                sent.append((kind, conn.post(CHAT, body)))
-                sent.append(("valid", conn.post(CHAT, text_body(server))))
-    finally:
-        conn.close()
-    took = time.monotonic() - started
-    log = server.log()[log_from:]
-    tracebacks, reraised = log.count(TRACEBACK), log.count(ASGI_ERROR)
-    errors = conn.errors()
-    figures = (f"vLLM {release}: {len(sent)} requests over one keep-alive connection in {took:.0f} s: "
-               f"{len(errors)} transport errors, {conn.connections} TCP connection(s), {tracebacks} tracebacks "
-               f"in the log ({reraised} '{ASGI_ERROR}'); statuses {[s for _, s in sent]}")
-    print("\n" + figures)
-    assert not errors and conn.connections == 1 and not tracebacks and not reraised, f"{figures}\n{errors[:3]}\nlog:\n{log[-6000:]}"
-
-    by_kind: dict[str, list] = {}
-    for (kind, _), result in zip(sent, conn.results):
-        by_kind.setdefault(kind, []).append(result)
-    assert all(status == 200 for _, status, _ in by_kind["valid"]), by_kind["valid"]
-    for kind in refused:
-        for _, status, payload in by_kind[kind]:
-            assert status == 400 and payload["error"]["code"] == 400, (kind, status, payload)
-    for kind in ("request_kwargs", "placeholder_guard"):
-        for _, _, payload in by_kind[kind]:
-            # vLLM's own error response: the type its create_error_response gives a ValueError.
-            assert payload["error"]["type"] == "BadRequestError", (kind, payload)
-    for _, _, payload in by_kind["request_kwargs"]:
-        text = message(payload)
-        assert "mm_processor_kwargs.max_slice_nums" in text and "= 0" in text and "an integer from 1 to" in text, text
-    for _, _, payload in by_kind["placeholder_guard"]:
-        text = message(payload)
-        assert GUARD_PHRASE in text and str(pads) in text and str(rows) in text, text
-    assert not any("MiniCPM-V" in message(p) for _, _, p in by_kind["vLLM's own"]), by_kind["vLLM's own"]
-
-
-def _app():
-    """vLLM's API server app as ``vllm serve`` builds it (default arguments), with one more route that refuses."""
-    from vllm.entrypoints.openai import api_server
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
-    from vllm_minicpm_hotfix.fixes.request_kwargs import RequestKwargsError
-
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # pragma: no cover - older module layout
-        from vllm.utils import FlexibleArgumentParser
-
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
-    app = api_server.build_app(args, ("generate",))
-    app.state.args = args  # what vLLM's handlers read (init_app_state sets it in a server)
-
-    @app.post("/refuse")
-    async def refuse():
-        raise RequestKwargsError("MiniCPM-V 4.6: mm_processor_kwargs.max_slice_nums = 0 is refused: it must be an "
-                                 "integer from 1 to 9", kwarg="mm_processor_kwargs.max_slice_nums", value=0)
-
-    return app
-
-
-def _answer(app):
-    """``(status, JSON)`` of a POST to the refusing route; what the app re-raises propagates (the ``TestClient``
-    re-raises what Starlette's ServerErrorMiddleware re-raises after answering, as uvicorn logs it)."""
-    from starlette.testclient import TestClient
-
-    reply = TestClient(app, raise_server_exceptions=True).post("/refuse")  # no lifespan: no engine needed
-    return reply.status_code, reply.json()
-
-
-@pytest.mark.placed(*APP_RELEASES)
-def test_refusal_answered_by_vllms_own_handler_in_its_real_app(m46, release):
-    from vllm_minicpm_hotfix.fixes import request_kwargs
-    from vllm_minicpm_hotfix.fixes._base import Refusal
-    from support.hotfix import hotfix
-
-    stock = _app()
-    own = [k for k in stock.exception_handlers if isinstance(k, type) and k is not Exception and issubclass(Refusal, k)]
-    if own:  # the release routes a ValueError itself: stock answers cleanly, the fix adds nothing
-        assert _answer(stock)[0] == 400
-    else:  # only the catch-all: answered, then re-raised (the traceback and the closed connection of a server)
-        with pytest.raises(request_kwargs.RequestKwargsError):
-            _answer(stock)
-    with hotfix(m46, "auto", fixes=("request_kwargs",)) as status:
-        assert status.applied, status
-        app = _app()  # built through the fix's wrapper of build_app
-    added = Refusal in app.exception_handlers
-    assert added == (not own), (release, own, list(app.exception_handlers))
-    if added:  # vLLM's own catch-all function, now run where Starlette does not re-raise
-        assert app.exception_handlers[Refusal] is app.exception_handlers[Exception]
-    status_code, payload = _answer(app)
-    assert status_code == 400 and payload["error"]["type"] == "BadRequestError", payload
-    assert "mm_processor_kwargs.max_slice_nums = 0" in payload["error"]["message"], payload
