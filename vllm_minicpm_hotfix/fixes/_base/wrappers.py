@@ -251,8 +251,19 @@ def wrapper_type() -> type:
     ensure_wrapt()
     import wrapt
 
+    # Compared by identity: wrapt's proxy compares equal to what it wraps, so a value the hotfix set would be equal
+    # to vLLM's own and a check that nothing was set on a class (its __dict__ before and after) would pass wrongly.
     return type("Wrapper", (wrapt.FunctionWrapper,), {"__vllm_minicpm_hotfix__": None, BEHAVIOUR_ATTR: None,
-                                                       "__module__": __name__})
+                                                       "__module__": __name__, "__eq__": _same, "__ne__": _not_same,
+                                                       "__hash__": object.__hash__})
+
+
+def _same(self: Any, other: Any) -> bool:
+    return self is other
+
+
+def _not_same(self: Any, other: Any) -> bool:
+    return self is not other
 
 
 def _wrapper(name: str, kind: str, behaviour: Any, acts: Any, signature: Signature | None, unbound: bool,
