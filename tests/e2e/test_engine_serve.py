@@ -42,8 +42,7 @@ import pytest
 from support.hotfix_log import patched_pids, summaries
 from support.venvs import clean_env
 from support.server import HEALTHY_WITHIN_S, chat, chat_kwargs, dev_post, healthy, serving
-from vllm_minicpm_hotfix.fixes import names
-from support.serving import find_kill_request
+from support.serving import find_kill_request, guard_server_fixes
 from support.serving import SERVE_ARGS, SERVER_EXTRA_ENV, WEIGHTS_LOADED, LEAVE_OUT, KILL_SIZE, image
 
 #: release -> family (notes: A = 0.22.x-0.23.0, B = 0.24.0, C = 0.25-0.31, D = 0.32-0.33): one release per family.
@@ -66,7 +65,7 @@ def family(release) -> str:
 @pytest.fixture(scope="module")
 def kill(m46):
     """The engine-killing request on this release with the fixes the guard server applies, as it applies them."""
-    return find_kill_request(m46, tuple(n for n in names() if n != "placeholder_guard" and n not in LEAVE_OUT))
+    return find_kill_request(m46, guard_server_fixes())
 
 
 @pytest.fixture(scope="module")

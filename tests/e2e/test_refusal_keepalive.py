@@ -34,9 +34,8 @@ import time
 import pytest
 from support.hotfix_log import patched_pids
 from support.server import HEALTHY_WITHIN_S, OneConnection, chat_body, serving
-from support.serving import KILL_SIZE, LEAVE_OUT, SERVE_ARGS, find_kill_request, image
+from support.serving import KILL_SIZE, LEAVE_OUT, SERVE_ARGS, find_kill_request, guard_server_fixes, image
 from support.venvs import clean_env
-from vllm_minicpm_hotfix.fixes import names
 
 RELEASES = ("0.22.1", "0.23.0", "0.24.0")
 pytestmark = pytest.mark.placed(*RELEASES)
@@ -55,7 +54,7 @@ GUARD_PHRASE = "placeholder tokens in the prompt"
 @pytest.fixture(scope="module")
 def kill(m46):
     """The request placeholder_guard refuses on this server (its fixes: all but :data:`LEAVE_OUT`)."""
-    return find_kill_request(m46, tuple(n for n in names() if n != "placeholder_guard" and n not in LEAVE_OUT))
+    return find_kill_request(m46, guard_server_fixes())
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,14 @@ API_SERVER = re.compile(r"\(APIServer pid=(\d+)\)")
 #: the guard to refuse.
 LEAVE_OUT = ("mm_placeholders",)
 
+
+def guard_server_fixes() -> tuple[str, ...]:
+    """The fixes applied when looking for the request the guard refuses on a server that leaves :data:`LEAVE_OUT`
+    out: every fix but those and the guard itself."""
+    from vllm_minicpm_hotfix.fixes import names
+
+    return tuple(n for n in names() if n != "placeholder_guard" and n not in LEAVE_OUT)
+
 KILL_SIZE = (224, 224)  # 1 source + 4 slices of 8x8 patches on the tiny checkpoint: 20 pads (16x), 80 (4x)
 #: Candidate engine-killing requests, tried in order (the notes' inputs, on the tiny checkpoint's geometry).
 KILL_CANDIDATES = ({"max_slice_nums": 1}, {"slice_mode": False}, {"scale_resolution": 56})
